@@ -1,0 +1,189 @@
+"""EngineCore: the step loop. Owns the platform, model runner, KV pool and scheduler.
+
+It sees token ids only: tokenization and detokenization happen outside it, so that a
+server can run it in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from paged.config import EngineConfig
+from paged.engine.kv_cache import KVCacheManager
+from paged.engine.request import Request
+from paged.engine.scheduler import Scheduler
+from paged.plugins import select_platform
+from paged.sampling.params import SamplingParams
+
+log = logging.getLogger("paged")
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+def load_model_config(config: EngineConfig):
+    """(hf_config, ModelSource or None) for the config's model or named dummy shape."""
+    from paged.model.shapes import SHAPES, shape_config
+
+    if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
+        return shape_config(config.model), None
+    from paged.model.loader import load_config, resolve_model
+
+    src = resolve_model(config.model)
+    return load_config(src), src
+
+
+def eos_ids(hf_config) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from paged.runner import ModelRunner
+
+        t0 = time.perf_counter()
+        self.config = config
+        self.platform = select_platform(config.platform)
+        self.hf_config, self.source = load_model_config(config)
+        if config.dtype == "auto":
+            config.dtype = str(self.platform.default_dtype()).removeprefix("torch.")
+        self.platform.check_config(config)
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or model_len
+        config.max_model_len = self.max_model_len
+        self.eos_token_ids = eos_ids(self.hf_config)
+        self.vocab_size = self.hf_config.vocab_size
+        weights = None
+        if config.load_format != "dummy":
+            from paged.model.loader import iter_weights
+
+            weights = iter_weights(self.source, self.hf_config)
+        self.runner = ModelRunner(
+            config, self.platform, self.hf_config, self.max_model_len, weights
+        )
+        self.num_blocks = self._size_kv_cache()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self.runner.step_runner.capture()
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
+        self.requests: dict[str, Request] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        log.info(
+            "engine ready on %s (%s, %s) in %.1f s: %d KV blocks of %d tokens (%d tokens)",
+            self.platform.name,
+            config.dtype,
+            self.runner.backend.name,
+            time.perf_counter() - t0,
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * config.block_size,
+        )
+
+    def _size_kv_cache(self) -> int:
+        cfg = self.config
+        per_block = self.runner.bytes_per_block()
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        else:
+            blocks = self.platform.kv_cache_budget(cfg) // per_block
+        need = -(-self.max_model_len // cfg.block_size)
+        if blocks < need:
+            raise ValueError(
+                f"the KV cache holds {blocks} blocks ({blocks * cfg.block_size} tokens), too few "
+                f"for one request of max_model_len={self.max_model_len} ({need} blocks): raise "
+                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len"
+            )
+        return blocks
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens, but the model's context length is "
+                f"{self.max_model_len} (the prompt must leave room for output)"
+            )
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        for t in params.stop_token_ids or []:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary")
+        for t in params.logit_bias or {}:
+            if not 0 <= int(t) < self.vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary")
+        params.eos_token_ids = self.eos_token_ids
+        req = Request(request_id, prompt_token_ids, params)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats["prompt_tokens"] += n
+
+    def abort(self, request_ids: list[str], reason: str = "abort") -> None:
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req, reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.reqs:
+            return []
+        lens = {r.request_id: r.num_output_tokens for r in batch.reqs}
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as e:  # fail this step's requests, keep the engine alive
+            log.exception("step failed")
+            outs = []
+            for req in batch.reqs:
+                self.scheduler.finish(req, "error")
+                self.requests.pop(req.request_id, None)
+                outs.append(self._output(req, [], error=f"{type(e).__name__}: {e}"))
+            return outs
+        outs = []
+        for req in self.scheduler.update(batch, sampled):
+            new = req.token_ids[req.num_prompt_tokens + lens[req.request_id] :]
+            self.stats["generation_tokens"] += len(new)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            outs.append(self._output(req, new))
+        return outs
+
+    def _output(self, req: Request, new: list[int], error: str | None = None) -> EngineOutput:
+        return EngineOutput(
+            req.request_id,
+            new,
+            req.finished,
+            req.finish_reason,
+            req.stop_reason,
+            req.num_prompt_tokens,
+            max(req.num_cached_tokens, 0),
+            error,
+        )

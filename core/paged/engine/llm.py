@@ -1,0 +1,146 @@
+"""The offline API, in vLLM's shape: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from paged.config import EngineConfig
+from paged.engine.core import EngineCore
+from paged.engine.outputs import OutputState, RequestOutput
+from paged.sampling.params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """A template given as a file path or inline Jinja."""
+    if template is None:
+        return None
+    import os
+
+    if os.path.isfile(template):
+        with open(template) as f:
+            return f.read()
+    return template
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = None
+        if self.engine.source is not None:
+            from paged.model.loader import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.engine.source, self.config.tokenizer)
+        self.chat_template = load_chat_template(self.config.chat_template)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer(prompt).input_ids
+        return None, list(prompt)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return self._run([self._tokenize(p) for p in prompts], sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=load_chat_template(chat_template) or self.chat_template,
+            )
+            prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        results: dict[str, RequestOutput] = {}
+        states: dict[str, tuple[str, OutputState]] = {}
+        order = []
+        for (text, ids), p in zip(prompts, params):
+            rid = str(next(self._ids))
+            order.append(rid)
+            results[rid] = RequestOutput(rid, text, ids, [])
+            for i in range(p.n):
+                child = _child_params(p, i)
+                cid = f"{rid}-{i}" if p.n > 1 else rid
+                st = OutputState(i, self.tokenizer, ids, child)
+                results[rid].outputs.append(st.out)
+                states[cid] = (rid, st)
+                try:
+                    self.engine.add_request(cid, ids, child)
+                except Exception:
+                    self.engine.abort([c for c in states if states[c][0] == rid])
+                    raise
+        pending = {rid: len(results[rid].outputs) for rid in order}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                for eo in self.engine.step():
+                    rid, st = states[eo.request_id]
+                    if eo.error:
+                        raise RuntimeError(f"request {rid} failed: {eo.error}")
+                    if st.update(eo):
+                        self.engine.abort([eo.request_id])
+                    results[rid].num_cached_tokens = eo.num_cached_tokens
+                    if st.finished:
+                        pending[rid] -= 1
+                        if pending[rid] == 0:
+                            results[rid].finished = True
+                            bar.update(1)
+        finally:
+            bar.close()
+            self.engine.abort(list(states))
+        return [results[rid] for rid in order]
+
+
+def _child_params(p: SamplingParams, i: int) -> SamplingParams:
+    if p.n == 1:
+        return p
+    import dataclasses
+
+    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)

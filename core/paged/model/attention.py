@@ -1,0 +1,68 @@
+"""The attention-backend contract and the per-step metadata every backend receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat varlen batch: requests [0, num_decodes) have one query token each."""
+
+    num_reqs: int
+    num_decodes: int
+    num_tokens: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]: context length including this step's tokens
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 for padding
+    max_query_len: int
+    max_seq_len: int
+    query_lens_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extra: Any = None  # whatever the backend's plan() attaches
+
+
+class AttentionBackend:
+    """One instance per model; ``forward`` runs once per layer per step."""
+
+    name = "base"
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Once per step, before the forward: precompute what all layers share."""
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D]: write k/v to the cache, attend, return [T, Hq, D]."""
+        raise NotImplementedError

@@ -1,0 +1,194 @@
+"""A Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+
+Weights are HF-named on load; q/k/v and gate/up are stacked into one matmul each.
+Attention goes through the platform's backend over the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged.model import ops
+from paged.model.attention import AttentionBackend, AttentionMetadata
+
+
+def rope_cache(hf_config, max_len: int) -> torch.Tensor:
+    """[max_len, head_dim] float32: cos in the first half, sin in the second (HF's math)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with torch.device("cpu"):
+        rot = LlamaRotaryEmbedding(hf_config)
+    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * rot.inv_freq.float()
+    return torch.cat(
+        (freqs.cos() * rot.attention_scaling, freqs.sin() * rot.attention_scaling), dim=-1
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.get("rms_norm")(x, self.weight, self.eps)
+        return ops.get("fused_add_rms_norm")(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q, kv, kv)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.get("rotary_embedding")(positions, q, k, cos_sin)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.get("silu_and_mul")(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual, meta, cos_sin):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF name fragment -> (our stacked parameter, shard index)
+    stacked = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_model_len = max_model_len
+        self.cos_sin: torch.Tensor | None = None  # set by init_rope() on the real device
+
+    def init_rope(self, device: torch.device) -> None:
+        self.cos_sin = rope_cache(self.config, self.max_model_len).to(device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta, self.cos_sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in (cast to each parameter's dtype); returns names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
+                continue
+            name = name.removeprefix("model.")
+            parts = name.split(".")
+            target, shard = name, None
+            for frag, (stacked, idx) in self.stacked.items():
+                if frag in parts:
+                    target, shard = name.replace(frag, stacked), idx
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    if param.shape != tensor.shape:
+                        raise ValueError(
+                            f"weight {name}: shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                else:
+                    sizes = self._shard_sizes(target)
+                    start = sum(sizes[:shard])
+                    param.narrow(0, start, sizes[shard]).copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        return loaded
+
+    def _shard_sizes(self, target: str) -> list[int]:
+        if "qkv_proj" in target:
+            return list(self.layers[0].self_attn.sizes)
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+    def expected_weights(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            if "qkv_proj" in name:
+                names |= {f"{name}#{i}" for i in range(3)}
+            elif "gate_up_proj" in name:
+                names |= {f"{name}#{i}" for i in range(2)}
+            else:
+                names.add(name)
+        return names

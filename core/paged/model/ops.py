@@ -1,0 +1,70 @@
+"""Elementwise ops with torch defaults that a platform may replace with fused kernels.
+
+The defaults follow HF transformers' Llama arithmetic exactly, so float32 output is
+token-identical to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D]; cache [max_pos, D]: cos in the first D/2, sin after."""
+    cs = cos_sin_cache[positions]
+    half = cs.shape[-1] // 2
+    cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_DEFAULTS: dict[str, Callable] = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_embedding": rotary_embedding,
+    "silu_and_mul": silu_and_mul,
+}
+_active: dict[str, Callable] = dict(_DEFAULTS)
+
+
+def use(overrides: dict[str, Callable]) -> None:
+    """Install a platform's fused ops (unknown names are an error, to catch typos)."""
+    unknown = set(overrides) - set(_DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown ops: {sorted(unknown)}")
+    _active.clear()
+    _active.update(_DEFAULTS)
+    _active.update(overrides)
+
+
+def get(name: str) -> Callable:
+    return _active[name]

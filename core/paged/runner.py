@@ -1,0 +1,145 @@
+"""ModelRunner: a scheduled batch -> flat device tensors -> forward -> sampled token ids."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from paged.config import EngineConfig
+from paged.engine.scheduler import Batch
+from paged.model import ops
+from paged.model.attention import AttentionMetadata
+from paged.model.llama import head_dim_of
+from paged.model.registry import model_class
+from paged.platform import Platform
+from paged.sampling.sampler import build_sampling_batch, sample
+
+log = logging.getLogger("paged")
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, platform: Platform, hf_config, max_model_len: int, weights=None
+    ) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = config.torch_dtype
+        self.hf_config = hf_config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        ops.use(platform.ops())
+        head_dim = head_dim_of(hf_config)
+        self.backend = platform.attention_backend()(
+            hf_config.num_attention_heads,
+            hf_config.num_key_value_heads,
+            head_dim,
+            head_dim**-0.5,
+            config.block_size,
+            self.dtype,
+            self.device,
+        )
+        self.model = self._build_model(weights)
+        self.vocab_size = hf_config.vocab_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.kv_caches: list[torch.Tensor] = []
+        self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
+
+    def _build_model(self, weights) -> torch.nn.Module:
+        cls = model_class(self.hf_config)
+        with torch.device("meta"):
+            model = cls(self.hf_config, self.backend, self.max_model_len)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.init_rope(self.device)
+        t0 = time.perf_counter()
+        if weights is None:  # dummy: seeded random weights
+            gen = torch.Generator(device="cpu").manual_seed(self.config.seed)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.fill_(1.0)
+                    else:
+                        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+        else:
+            loaded = model.load_weights(weights)
+            missing = model.expected_weights() - loaded
+            if missing:
+                raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        log.info("weights ready in %.1f s", time.perf_counter() - t0)
+        return model.eval()
+
+    # ---- KV cache -------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        shape = self.backend.kv_cache_shape(1)
+        per_layer = torch.Size(shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return per_layer * self.hf_config.num_hidden_layers
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = self.backend.kv_cache_shape(num_blocks)
+        self.kv_caches = []
+        for layer in self.model.layers:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step -------------------------------------------------------------------
+    def prepare(
+        self, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        starts = [r.num_computed_tokens for r in batch.reqs]
+        ids: list[int] = []
+        for r, s, n in zip(batch.reqs, starts, batch.num_new):
+            ids.extend(r.token_ids[s : s + n])
+        q_lens = torch.tensor(batch.num_new, dtype=torch.int32)
+        seq_lens_cpu = [s + n for s, n in zip(starts, batch.num_new)]
+        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32)
+        num_tokens = len(ids)
+        qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        req_idx = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
+        positions = (
+            torch.arange(num_tokens)
+            - qsl[:-1].long()[req_idx]
+            + torch.tensor(starts, dtype=torch.long)[req_idx]
+        )
+        max_blocks = max(len(r.block_ids) for r in batch.reqs)
+        table = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
+        for i, r in enumerate(batch.reqs):
+            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        slots = table[req_idx, positions // bs].long() * bs + positions % bs
+        # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
+        ends = list(itertools.accumulate(batch.num_new))
+        last = [e - 1 for e, r, s in zip(ends, batch.reqs, seq_lens_cpu) if s >= r.num_tokens]
+        dev = self.device
+        meta = AttentionMetadata(
+            num_reqs=len(batch),
+            num_decodes=batch.num_decodes,
+            num_tokens=num_tokens,
+            query_start_loc=qsl.to(dev, non_blocking=True),
+            seq_lens=seq_lens.to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
+            max_query_len=max(batch.num_new),
+            max_seq_len=max(seq_lens_cpu),
+            query_lens_cpu=list(batch.num_new),
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        logits_idx = torch.tensor(last, dtype=torch.long).to(dev, non_blocking=True)
+        return input_ids, positions.to(dev, non_blocking=True), meta, logits_idx
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> list[int]:
+        """Run one step; returns a sampled token per request that completed its prompt."""
+        input_ids, positions, meta, logits_idx = self.prepare(batch)
+        hidden = self.step_runner.forward(input_ids, positions, meta)
+        if logits_idx.numel() == 0:
+            return []
+        logits = self.model.compute_logits(hidden[logits_idx])
+        sampling_reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
+        sb = build_sampling_batch(sampling_reqs, self.device, self.vocab_size)
+        return sample(logits, sb).tolist()

@@ -1,0 +1,146 @@
+"""Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds.
+
+Random draws use the exponential race (argmax of p / Exp(1)), so a seeded request draws
+from its own generator and gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged.engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [N] float32; 0 marks greedy rows
+    top_k: torch.Tensor | None  # [N] int64, vocab size where off
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None  # [N] float32
+    all_greedy: bool
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    penalties: tuple[torch.Tensor, ...] | None  # repetition, presence, frequency [N]
+    reqs: list[Request]
+    min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid)
+    logit_bias: list[tuple[int, dict[int, float]]]
+
+
+def build_sampling_batch(
+    reqs: list[Request], device: torch.device, vocab_size: int
+) -> SamplingBatch:
+    ps = [r.params for r in reqs]
+    greedy = [p.greedy for p in ps]
+    temp = torch.tensor(
+        [0.0 if g else p.temperature for g, p in zip(greedy, ps)], dtype=torch.float32
+    )
+    any_k = any(p.top_k > 0 for p in ps)
+    any_p = any(p.top_p < 1.0 for p in ps)
+    any_min_p = any(p.min_p > 0 for p in ps)
+    any_pen = any(p.needs_penalties for p in ps)
+    gens: dict[int, torch.Generator] = {}
+    for i, (r, g) in enumerate(zip(reqs, greedy)):
+        if not g and r.params.seed is not None:
+            if r.generator is None:
+                r.generator = torch.Generator(device=device)
+                r.generator.manual_seed(r.params.seed)
+            gens[i] = r.generator
+    min_tok = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            forbid = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+            if forbid:
+                min_tok.append((i, forbid))
+
+    def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return SamplingBatch(
+        temperature=temp.to(device, non_blocking=True),
+        top_k=dev([p.top_k if p.top_k > 0 else vocab_size for p in ps], torch.int64)
+        if any_k
+        else None,
+        top_p=dev([p.top_p for p in ps], torch.float32) if any_p else None,
+        min_p=dev([p.min_p for p in ps], torch.float32) if any_min_p else None,
+        all_greedy=all(greedy),
+        generators=gens,
+        penalties=(
+            dev([p.repetition_penalty for p in ps], torch.float32),
+            dev([p.presence_penalty for p in ps], torch.float32),
+            dev([p.frequency_penalty for p in ps], torch.float32),
+        )
+        if any_pen
+        else None,
+        reqs=reqs,
+        min_tokens_mask=min_tok,
+        logit_bias=[(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias],
+    )
+
+
+def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    rep, pres, freq = sb.penalties
+    n, vocab = logits.shape
+    out_counts = torch.zeros(n, vocab, dtype=torch.float32)
+    seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)
+    for i, r in enumerate(sb.reqs):
+        out = r.output_token_ids
+        if out:
+            out_counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out)))
+        seen_prompt[i, torch.tensor(r.prompt_token_ids)] = True
+    out_counts = out_counts.to(logits.device)
+    seen = seen_prompt.to(logits.device) | (out_counts > 0)
+    # Repetition penalty (CTRL / HF): divide positive logits, multiply negative ones.
+    r = rep[:, None].expand_as(logits)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    # OpenAI presence/frequency penalties count generated tokens only.
+    logits = logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0)
+    return logits
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N] (int64, on the logits' device)."""
+    if sb.logit_bias:
+        for i, bias in sb.logit_bias:
+            ids = torch.tensor(list(bias.keys()), device=logits.device)
+            vals = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+            logits[i].index_add_(0, ids, vals)
+    for i, forbid in sb.min_tokens_mask:
+        logits[i, forbid] = float("-inf")
+    if sb.penalties is not None:
+        logits = _apply_penalties(logits, sb)
+    greedy_ids = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        return greedy_ids
+    temp = sb.temperature
+    scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
+    if sb.top_k is not None or sb.top_p is not None:
+        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
+    probs = scaled.softmax(dim=-1)
+    if sb.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * top, 0.0)
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in sb.generators.items():
+        noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temp > 0, sampled, greedy_ids)
+
+
+def _top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p.
+        before = probs.cumsum(dim=-1) - probs
+        drop = before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)

@@ -1,0 +1,1 @@
+"""paged-cpu: the CPU platform plugin for paged."""

@@ -1,0 +1,71 @@
+"""The CPU platform: torch ops, eager steps, bfloat16 where the processor has it."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+from paged.platform import Platform
+
+
+@cache
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_native_bf16() -> bool:
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    priority = 10  # the fallback: any accelerator ranks above
+    dist_backend = "gloo"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return None
+
+    def memory(self) -> tuple[int, int]:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        try:
+            with open("/proc/meminfo") as f:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+            free = info.get("MemAvailable", free)
+        except OSError:
+            pass
+        return free, total
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+
+    def kv_cache_budget(self, config) -> int:
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        free, _ = self.memory()
+        return min(4 << 30, free // 4)  # host RAM is shared with everything else
+
+    def attention_backend(self):
+        from paged_cpu.attention import CpuAttentionBackend
+
+        return CpuAttentionBackend
+
+    def describe(self) -> dict[str, str]:
+        import platform
+
+        return {
+            "processor": platform.processor() or platform.machine(),
+            "threads": str(torch.get_num_threads()),
+            "native_bf16": str(has_native_bf16()),
+        }
