@@ -151,6 +151,21 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def metrics(self) -> dict[str, float]:
+        """Gauges and counters for /metrics (counters are totals since start)."""
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": self.kv.usage,
+            "prefix_cache_queries": self.kv.queries,
+            "prefix_cache_hits": self.kv.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.stats["prompt_tokens"],
+            "generation_tokens": self.stats["generation_tokens"],
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_blocks": self.num_blocks,
+        }
+
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         batch = self.scheduler.schedule()
