@@ -1,0 +1,85 @@
+"""Pieces shared by the paged-attention kernels: K/V tile gather and online-softmax step."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row_ptr,
+    kv_head,
+    pos,
+    valid,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """K^T `[HEAD_DIM, BLOCK_N]` and V `[BLOCK_N, HEAD_DIM]` for logical positions `pos`."""
+    blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    base = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    d = tl.arange(0, HEAD_DIM)
+    k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=valid[None, :], other=0.0)
+    v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    return k_t, v
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter multiplies bf16 storage (uint16) as ints: go via fp32
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee") if IEEE else tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(
+    q,
+    k_t,
+    v,
+    acc,
+    m_i,
+    l_i,
+    mask,
+    qk_scale,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    MASK: tl.constexpr = True,
+):
+    """One online-softmax update (log2 domain); masked scores are -inf, m_i starts finite."""
+    s = _dot(q, k_t, IEEE, UPCAST) * qk_scale
+    if MASK:
+        s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = _dot(p.to(v.dtype), v, IEEE, UPCAST)
+    return acc * alpha[:, None] + pv, m_new, l_i
+
+
+def dot_flags(q: torch.Tensor) -> dict[str, bool]:
+    """IEEE fp32 dots for fp32 inputs (no tf32); UPCAST bf16 under the CPU interpreter."""
+    cpu = q.device.type == "cpu"  # CPU tensors only run under TRITON_INTERPRET=1
+    return {"IEEE": q.dtype == torch.float32 or cpu, "UPCAST": cpu and q.dtype == torch.bfloat16}
+
+
+def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """Validate shapes shared by both entry points; return the GQA group size."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    assert cache_dim == head_dim and v_cache.shape == k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert q.stride(-1) == 1, "q must have unit stride in the last dim"
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: power of two >= 16"
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    return num_heads // num_kv_heads

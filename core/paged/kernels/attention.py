@@ -1,0 +1,142 @@
+"""Paged attention over the block-table KV cache: varlen (prefill / chunked prefill / mixed).
+
+Cache layout per layer: `k_cache`, `v_cache` `[num_blocks, block_size, kv_heads, head_dim]`.
+One program handles BLOCK_Q query tokens x all query heads of one KV head (GQA grouping:
+row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile is read
+once per KV head. Keys are gathered through the block table in tiles of BLOCK_N.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attn_common import LOG2E, _load_kv_tile, _softmax_step, check_attention_args, dot_flags
+from .decode import paged_attention_decode
+
+__all__ = ["paged_attention_decode", "paged_attention_varlen"]
+
+
+@triton.jit
+def _varlen_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    q0 = tile * BLOCK_Q
+    if q0 >= q_len:  # tile past this sequence's queries (or query_len 0)
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len  # tokens cached before this step's queries
+
+    r = tl.arange(0, BLOCK_M)
+    q_idx = q0 + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_ok = (q_idx < q_len) & (g < GROUP)
+    head = kv_head * GROUP + g
+    tok = (q_start + q_idx).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_pos = ctx + q_idx  # absolute position of each row's query token
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # causal: last query of the tile
+    # Whole tiles of keys before the tile's first query are visible to every row: no mask.
+    full_end = (ctx + q0) // BLOCK_N * BLOCK_N
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    for start in range(0, full_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        k_t, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, pos < kv_end,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+        )  # fmt: skip
+        acc, m_i, l_i = _softmax_step(
+            q, k_t, v, acc, m_i, l_i, None, qk_scale, IEEE, UPCAST, MASK=False
+        )
+    for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        k_t, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+        )  # fmt: skip
+        mask = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_i[:, None]
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """Causal attention for a flat batch of variable-length query chunks; writes `out`.
+
+    q/out `[T, num_heads, head_dim]`; query_start_loc int32 `[B+1]`; seq_lens int32 `[B]`
+    (context length including this step's queries, whose K/V are already cached);
+    block_tables int32 `[B, max_blocks]`. `max_query_len` sizes the grid (no host sync).
+    """
+    group = check_attention_args(q, k_cache, v_cache)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    batch = seq_lens.shape[0]
+    if batch == 0 or max_query_len <= 0:
+        return out
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    group_pad = triton.next_power_of_2(group)
+    # Tuned on an H200 (bf16, D=128): BLOCK_M 64 x BLOCK_N 64, 4 warps, 2 stages.
+    block_m = max(16, group_pad, min(64, triton.next_power_of_2(max_query_len) * group_pad))
+    block_q = block_m // group_pad
+    block_n = min(64, 16384 // (head_dim * q.element_size()))  # K+V tile <= 32 KiB
+    grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
+    _varlen_kernel[grid](
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **dot_flags(q),
+        num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+    )  # fmt: skip
+    return out

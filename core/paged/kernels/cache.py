@@ -1,0 +1,85 @@
+"""Write this step's K/V into the paged cache (`[num_blocks, block_size, kv_heads, head_dim]`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_heads,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < num_heads)[:, None]
+    t64 = t.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter `key`/`value` `[T, kv_heads, head_dim]` to their slots; slot < 0 is skipped.
+
+    key/value may be strided views (unit stride in the last dim); the caches must share
+    one layout (`k_cache.stride() == v_cache.stride()`).
+    """
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _, block_size, cache_heads, cache_dim = k_cache.shape
+    assert (cache_heads, cache_dim) == (num_heads, head_dim), "key/cache shape mismatch"
+    assert value.shape == key.shape and v_cache.shape == k_cache.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "last dim must be contiguous"
+    assert slot_mapping.shape[0] >= num_tokens
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_heads,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        num_warps=4,
+    )

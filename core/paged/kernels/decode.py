@@ -1,0 +1,194 @@
+"""Split-K ("flash-decoding") paged attention for one query token per sequence.
+
+Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
+to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
+table, and writes a partial (acc, max, sum) to a fp32 workspace; `_reduce_kernel` merges the
+splits. With num_splits == 1 the first kernel writes `out` directly. Launch grids depend only
+on shapes and num_splits, and seq_lens is read on the device, so it is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attn_common import LOG2E, _load_kv_tile, _softmax_step, check_attention_args, dot_flags
+
+MAX_SPLITS = 32
+_TARGET_PROGRAMS = 256  # enough (B x kv_heads x splits) programs to fill a large GPU
+_MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    ws_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_wb,
+    stride_wh,
+    stride_ws,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Balanced per-sequence split, in whole BLOCK_N tiles; empty splits write l = 0.
+    chunk = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_H)
+    row_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    b64 = b.to(tl.int64)
+    q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b64 * stride_bt
+    for s0 in range(start, end, BLOCK_N):
+        pos = s0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k_t, v = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+        )  # fmt: skip
+        mask = valid[None, :]
+        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        w = ws_ptr + b64 * stride_wb + head * stride_wh + split * stride_ws
+        tl.store(w[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(w + HEAD_DIM, m_i, mask=row_ok)
+        tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    ws_ptr,
+    out_ptr,
+    stride_wb,
+    stride_wh,
+    stride_ws,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    ok = s < NUM_SPLITS
+    w = ws_ptr + b * stride_wb + head * stride_wh + s * stride_ws
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(w + HEAD_DIM, mask=ok, other=-1.0e30)
+    l_s = tl.load(w + HEAD_DIM + 1, mask=ok, other=0.0)
+    acc = tl.load(w[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    scale = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(scale * l_s, 0)
+    o = tl.sum(acc * scale[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Splits so that B x kv_heads x splits fills the GPU, each split >= 128 keys."""
+    by_len = triton.cdiv(max(max_seq_len, 1), _MIN_KEYS_PER_SPLIT)
+    by_grid = triton.cdiv(_TARGET_PROGRAMS, max(batch * num_kv_heads, 1))
+    return max(1, min(by_len, by_grid, MAX_SPLITS))
+
+
+def decode_workspace(
+    max_batch: int,
+    num_heads: int,
+    head_dim: int,
+    num_splits: int = MAX_SPLITS,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """fp32 `[max_batch, num_heads, num_splits, head_dim + 2]` (acc, then max, then sum)."""
+    return torch.empty(max_batch, num_heads, num_splits, head_dim + 2, dtype=torch.float32,
+                       device=device)  # fmt: skip
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its whole cached context; writes `out`.
+
+    q/out `[B, num_heads, head_dim]`; seq_lens int32 `[B]` (0 gives zeros); block_tables
+    int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits` and a `workspace`
+    from `decode_workspace` (any buffer with dims >= `[B, num_heads, num_splits, D + 2]`).
+    """
+    group = check_attention_args(q, k_cache, v_cache)
+    assert out.shape == q.shape and out.stride(-1) == 1
+    batch, num_heads, head_dim = q.shape
+    if batch == 0:
+        return out
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len)
+    assert 1 <= num_splits <= MAX_SPLITS
+    if num_splits > 1:
+        if workspace is None:
+            workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
+        assert workspace.dtype == torch.float32 and workspace.stride(-1) == 1
+        assert workspace.shape[0] >= batch and workspace.shape[1] == num_heads
+        assert workspace.shape[2] >= num_splits and workspace.shape[3] >= head_dim + 2
+        ws, ws_strides = workspace, workspace.stride()[:3]
+    else:
+        ws, ws_strides = out, (0, 0, 0)  # unused
+    # Tuned on an H200 (bf16, D=128): BLOCK_N 128, 4 warps, 3 stages; K+V tile <= 64 KiB.
+    block_n = min(128, 32768 // (head_dim * q.element_size()))
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, ws, seq_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        **dot_flags(q), num_warps=4, num_stages=3,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(batch, num_heads)](
+            ws, out, *ws_strides, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,174 @@
+"""Fused elementwise kernels: RMSNorm (+ residual add), rotary embedding, SiLU-and-mul."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    n_cols,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:  # residual += x, rounded to the model dtype as the reference does
+        r_ptrs = res_ptr + row * stride_r + cols
+        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
+            res_ptr.dtype.element_ty
+        )
+        tl.store(r_ptrs, x, mask=mask)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, 0) / n_cols
+    h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # HF: weight * h.to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * h.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    assert x.stride(-1) == 1, "last dim must be contiguous"
+    return x.view(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """LlamaRMSNorm over the last dim, fp32 math; allocates `out` when not given."""
+    if out is None:
+        out = torch.empty_like(x)
+    x2, o2 = _rows(x), _rows(out)
+    n_rows, n_cols = x2.shape
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2, x2, weight, o2, x2.stride(0), 0, o2.stride(0), n_cols, eps,
+            BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=False, num_warps=_warps(n_cols),
+        )  # fmt: skip
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: `residual += x; x = rms_norm(residual)`. Returns `(x, residual)`."""
+    assert x.shape == residual.shape
+    x2, r2 = _rows(x), _rows(residual)
+    n_rows, n_cols = x2.shape
+    if n_rows:
+        _rms_norm_kernel[(n_rows,)](
+            x2, r2, weight, x2, x2.stride(0), r2.stride(0), x2.stride(0), n_cols, eps,
+            BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=True, num_warps=_warps(n_cols),
+        )  # fmt: skip
+    return x, residual
+
+
+def _warps(n: int) -> int:
+    return 4 if n <= 2048 else 8 if n <= 8192 else 16
+
+
+@triton.jit
+def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, BLOCK_H: tl.constexpr,
+            HALF: tl.constexpr):  # fmt: skip
+    """Rotate the first 2*HALF dims of every head of token t in place (NeoX style)."""
+    h = tl.arange(0, BLOCK_H)
+    c = tl.arange(0, HALF)
+    mask = (h < n_heads)[:, None]
+    p1 = ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * cos[None, :] - x2 * sin[None, :]
+    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(p1, o1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, o2.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    n_q_heads,
+    n_k_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + c).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + c).to(tl.float32)
+    _rotate(q_ptr, stride_qt, stride_qh, t, n_q_heads, cos, sin, BLOCK_HQ, HALF)
+    _rotate(k_ptr, stride_kt, stride_kh, t, n_k_heads, cos, sin, BLOCK_HK, HALF)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In-place NeoX ("rotate_half") rotary on q `[T, Hq, D]`, k `[T, Hk, D]` (strided views).
+
+    cos_sin_cache `[max_pos, rot_dim]`: cos in the first rot_dim/2 columns, sin in the rest;
+    rot_dim (a power of two, <= head_dim) leading dims of each head are rotated.
+    """
+    num_tokens = positions.shape[0]
+    rot_dim = cos_sin_cache.shape[-1]
+    assert q.shape[-1] == head_dim and k.shape[-1] == head_dim and rot_dim <= head_dim
+    assert rot_dim >= 2 and rot_dim & (rot_dim - 1) == 0, "rotary dim must be a power of two"
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_sin_cache.stride(0), q.shape[1], k.shape[1], HALF=rot_dim // 2,
+            BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+        )  # fmt: skip
+    return q, k
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's silu in dtype
+    y = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(x[..., :I]) * x[..., I:]` for x `[..., 2*I]`; allocates `out` when not given."""
+    inter = x.shape[-1] // 2
+    if out is None:
+        out = x.new_empty(*x.shape[:-1], inter)
+    x2, o2 = _rows(x), _rows(out)
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, num_warps=4
+        )
+    return out

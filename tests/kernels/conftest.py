@@ -1,0 +1,26 @@
+"""Run the Triton kernels through the interpreter on machines without a GPU.
+
+`TRITON_INTERPRET=0 pytest tests/kernels` runs the same tests on a CUDA device instead.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+
+_CORE = Path(__file__).resolve().parents[2] / "core"
+if str(_CORE) not in sys.path:
+    sys.path.insert(0, str(_CORE))
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    if os.environ["TRITON_INTERPRET"] == "1":
+        return "cpu"
+    import torch
+
+    assert torch.cuda.is_available(), "TRITON_INTERPRET=0 needs a GPU"
+    return "cuda"
