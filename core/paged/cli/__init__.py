@@ -1,0 +1,1 @@
+"""The ``paged`` command line: serve, chat, complete, run-batch, bench, platforms, env."""

@@ -1,0 +1,236 @@
+"""``paged bench serve``: a load generator against a running server's /v1/completions.
+
+Like vLLM's benchmark_serving: streamed requests with ``ignore_eos`` and ``max_tokens``,
+Poisson arrivals (``--request-rate``) and/or a concurrency cap (``--max-concurrency``);
+per request TTFT, TPOT (decode time per output token) and ITL (gaps between chunks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from paged.cli.bench_common import print_metrics, save_json, stats
+from paged.cli.bench_prompts import Prompt, load_prompts
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test a running server: TTFT, TPOT, ITL, throughput")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL")
+    p.add_argument("--endpoint", default="/completions", help="path under --url")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: PAGED_API_KEY)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, Poisson arrivals (default: all at once)",
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument(
+        "--random-output-len",
+        type=int,
+        default=64,
+        help="output tokens (also the default for --dataset lines without one)",
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vary lengths uniformly within +-ratio",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="draw prompt token ids from [0, V) (default: ids the server's "
+        "/tokenize gives for random words, else random words as text)",
+    )
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help='JSONL of prompts: {"prompt": text or ids, "output_len": N} or strings',
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
+    p.add_argument("--save-json", default=None, help="write all figures and the command here")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Result:
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    success: bool = False
+    error: str = ""
+
+
+async def send(client, url: str, payload: dict, headers: dict, prompt: Prompt) -> Result:
+    res = Result(prompt.prompt_len)
+    start = last = time.perf_counter()
+    chunks, usage = 0, None
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {body[:500]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last, chunks = now, chunks + 1
+        res.latency = last - start
+        res.output_len = usage["completion_tokens"] if usage else chunks
+        if usage and usage.get("prompt_tokens"):
+            res.prompt_len = usage["prompt_tokens"]
+        res.success = chunks > 0
+        res.error = "" if chunks else "no output"
+    except Exception as e:  # record and go on: one failure must not end the benchmark
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str) -> dict:
+    import httpx
+    from tqdm import tqdm
+
+    url = args.url.rstrip("/") + args.endpoint
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = {
+        "model": model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": args.temperature,
+    }
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts) or 1)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    rng = random.Random(args.seed)
+
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        test = await send(
+            client, url, {**base, "prompt": prompts[0].prompt, "max_tokens": 2}, headers, prompts[0]
+        )
+        if not test.success:
+            raise RuntimeError(f"the test request to {url} failed: {test.error}")
+        bar = tqdm(total=len(prompts), desc="requests", disable=args.disable_tqdm)
+
+        async def one(p: Prompt) -> Result:
+            payload = {**base, "prompt": p.prompt, "max_tokens": p.output_len}
+            if sem is None:
+                r = await send(client, url, payload, headers, p)
+            else:
+                async with sem:
+                    r = await send(client, url, payload, headers, p)
+            bar.update(1)
+            return r
+
+        tasks = []
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            if i and math.isfinite(args.request_rate):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+            tasks.append(asyncio.create_task(one(p)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return summarize(results, duration)
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    n_in = sum(r.prompt_len for r in ok)
+    n_out = sum(r.output_len for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    m = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": n_out / duration,
+        "total_token_throughput": (n_in + n_out) / duration,
+    }
+    m |= stats("ttft", [r.ttft for r in ok]) | stats("tpot", tpots)
+    m |= stats("itl", [x for r in ok for x in r.itl]) | stats("e2el", [r.latency for r in ok])
+    m["requests"] = [asdict(r) for r in results]
+    return m
+
+
+async def _first_model(args: argparse.Namespace) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.get(args.url.rstrip("/") + "/models", headers=headers)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    args.api_key = args.api_key or os.environ.get("PAGED_API_KEY")
+    if args.num_prompts < 1:
+        print("error: --num-prompts must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        model = args.model or asyncio.run(_first_model(args))
+        prompts = load_prompts(args)
+        metrics = asyncio.run(benchmark(args, prompts, model))
+    except Exception as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    metrics["model"] = model
+    print_metrics(
+        "Serving Benchmark Result",
+        metrics,
+        [
+            ("Successful requests", "completed"),
+            ("Failed requests", "failed"),
+            ("Benchmark duration (s)", "duration_s"),
+            ("Total input tokens", "total_input_tokens"),
+            ("Total generated tokens", "total_output_tokens"),
+            ("Request throughput (req/s)", "request_throughput"),
+            ("Output token throughput (tok/s)", "output_throughput"),
+            ("Total token throughput (tok/s)", "total_token_throughput"),
+        ],
+        sections=[
+            ("Time to First Token", "ttft"),
+            ("Time per Output Token (excl. 1st token)", "tpot"),
+            ("Inter-token Latency", "itl"),
+            ("End-to-end Latency", "e2el"),
+        ],
+    )
+    if args.save_json:
+        save_json(args.save_json, args, metrics)
+    errors = [r["error"] for r in metrics["requests"] if r["error"]]
+    if errors:
+        print(f"first error: {errors[0]}", file=sys.stderr)
+    return 0 if metrics["completed"] else 1
