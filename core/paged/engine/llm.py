@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ from paged.config import EngineConfig
 from paged.engine.core import EngineCore
 from paged.engine.outputs import OutputState, RequestOutput
 from paged.sampling.params import SamplingParams
+
+log = logging.getLogger("paged")
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -36,7 +39,10 @@ class LLM:
         if self.engine.source is not None:
             from paged.model.loader import load_tokenizer
 
-            self.tokenizer = load_tokenizer(self.engine.source, self.config.tokenizer)
+            try:
+                self.tokenizer = load_tokenizer(self.engine.source, self.config.tokenizer)
+            except Exception as e:  # a weights-only directory: token-id prompts still work
+                log.warning("no tokenizer (%s): only token-id prompts will work", e)
         self.chat_template = load_chat_template(self.config.chat_template)
         self._ids = itertools.count()
 
@@ -101,21 +107,21 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         states: dict[str, tuple[str, OutputState]] = {}
         order = []
-        for (text, ids), p in zip(prompts, params):
-            rid = str(next(self._ids))
-            order.append(rid)
-            results[rid] = RequestOutput(rid, text, ids, [])
-            for i in range(p.n):
-                child = _child_params(p, i)
-                cid = f"{rid}-{i}" if p.n > 1 else rid
-                st = OutputState(i, self.tokenizer, ids, child)
-                results[rid].outputs.append(st.out)
-                states[cid] = (rid, st)
-                try:
+        try:
+            for (text, ids), p in zip(prompts, params):
+                rid = str(next(self._ids))
+                order.append(rid)
+                results[rid] = RequestOutput(rid, text, ids, [])
+                for i in range(p.n):
+                    child = _child_params(p, i)
+                    cid = f"{rid}-{i}" if p.n > 1 else rid
+                    st = OutputState(i, self.tokenizer, ids, child)
+                    results[rid].outputs.append(st.out)
                     self.engine.add_request(cid, ids, child)
-                except Exception:
-                    self.engine.abort([c for c in states if states[c][0] == rid])
-                    raise
+                    states[cid] = (rid, st)
+        except Exception:
+            self.engine.abort(list(states))  # nothing half-submitted stays in the engine
+            raise
         pending = {rid: len(results[rid].outputs) for rid in order}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         try:

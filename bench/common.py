@@ -1,0 +1,94 @@
+"""Helpers shared by the benchmark scripts: prompts, machine facts, result files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+TOPICS = [
+    "the ocean",
+    "a lighthouse keeper",
+    "prime numbers",
+    "black holes",
+    "bread baking",
+    "the Roman empire",
+    "a robot learning to paint",
+    "coffee",
+    "mountain climbing",
+    "the history of chess",
+    "volcanoes",
+    "a city at night",
+    "honey bees",
+    "the moon",
+    "quantum computers",
+    "a lost key",
+]
+ASKS = [
+    "Write a short story about {}.",
+    "Explain {} to a child.",
+    "Give three facts about {}.",
+    "Write a poem about {}.",
+]
+
+
+def chat_prompts(n: int) -> list[list[dict]]:
+    """n distinct single-turn chat conversations."""
+    convs = []
+    for i in range(n):
+        ask = ASKS[i % len(ASKS)].format(TOPICS[(i // len(ASKS) + i) % len(TOPICS)])
+        convs.append([{"role": "user", "content": ask}])
+    return convs
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=RESULTS.parent,
+        ).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def write_results(md_name: str, title: str, rows: list[tuple[str, str]], extra: dict) -> None:
+    """Append a dated section to bench/results/<md_name> and a JSON twin."""
+    RESULTS.mkdir(exist_ok=True)
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    lines = [
+        f"\n## {title} ({now})\n",
+        f"- machine: {machine()}",
+        f"- commit: {git_rev()}",
+        f"- command: `python {cmd}`",
+        "",
+        "| run | result |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    with open(RESULTS / md_name, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    stem = md_name.removesuffix(".md")
+    with open(RESULTS / f"{stem}-latest.json", "w") as f:
+        json.dump({"date": now, "machine": machine(), "command": cmd, **extra}, f, indent=1)

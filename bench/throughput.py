@@ -1,0 +1,168 @@
+"""CPU throughput: paged vs HF transformers (and llama.cpp when installed), same weights.
+
+    python bench/throughput.py [--num-prompts 64] [--max-tokens 128]
+
+Greedy, every request generates exactly --max-tokens tokens (end-of-sequence ignored) so all
+engines do the same work. Results go to bench/results/cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from common import chat_prompts, write_results  # noqa: E402
+
+from paged import LLM, SamplingParams  # noqa: E402
+from paged.model.loader import default_model_path  # noqa: E402
+
+
+def bench_paged(path: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> float:
+    llm = LLM(path, dtype=dtype, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return len(prompts) * max_tokens / dt
+
+
+def hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample = None, 0, False
+    gc.temperature = gc.top_p = gc.top_k = None
+    return model, gc
+
+
+def bench_hf_generate(model, gc, prompts: list[list[int]], max_tokens: int, batch: int) -> float:
+    gc = copy.deepcopy(gc)
+    gc.max_new_tokens = gc.min_new_tokens = max_tokens
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            model.generate(ids, attention_mask=mask, generation_config=gc)
+    return len(prompts) * max_tokens / (time.perf_counter() - t)
+
+
+def bench_hf_generate_batch(model, gc, prompts: list[list[int]], max_tokens: int) -> float:
+    gc = copy.deepcopy(gc)
+    gc.max_new_tokens = max_tokens
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate_batch(inputs=prompts, generation_config=gc, progress_bar=False)
+    n = sum(len(r.generated_tokens) for r in out.values())
+    return n / (time.perf_counter() - t)
+
+
+def bench_llama_cpp(path: str, prompts: list[list[int]], max_tokens: int) -> float | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=path, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
+    t, n = time.perf_counter(), 0
+    for p in prompts:
+        llm.reset()
+        for i, _ in enumerate(llm.generate(p, temp=0.0)):
+            if i + 1 >= max_tokens:
+                break
+        n += max_tokens
+    return n / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts for batch-1 runs")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    path = default_model_path()
+    from paged.model.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(path))
+    prompts = [
+        tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        for c in chat_prompts(args.num_prompts)
+    ]
+    ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
+    n, m = args.num_prompts, args.max_tokens
+    rows, figs = [], {}
+
+    def record(name: str, value: float | None) -> None:
+        if value is None:
+            return
+        figs[name] = round(value, 1)
+        rows.append((name, f"{value:.1f} tok/s"))
+        print(f"{name}: {value:.1f} tok/s", flush=True)
+
+    for dtype in ("bfloat16", "float32"):
+        record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
+    record(
+        f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
+        _batch1(path, ids[: args.batch1_prompts], m),
+    )
+    if not args.skip_hf:
+        for dtype in (torch.float32, torch.bfloat16):
+            model, gc = hf_model(path, dtype)
+            name = str(dtype).removeprefix("torch.")
+            record(
+                f"HF generate {name}, padded batch {args.hf_batch}",
+                bench_hf_generate(model, gc, ids, m, args.hf_batch),
+            )
+            record(
+                f"HF generate {name}, batch 1 ({args.batch1_prompts} prompts)",
+                bench_hf_generate(model, gc, ids[: args.batch1_prompts], m, 1),
+            )
+            if hasattr(model, "generate_batch"):
+                record(
+                    f"HF generate_batch {name} ({n // 4} prompts)",
+                    bench_hf_generate_batch(model, gc, ids[: n // 4], m),
+                )
+            del model
+    record(
+        f"llama.cpp Q4_1, batch 1 ({args.batch1_prompts} prompts)",
+        bench_llama_cpp(path, ids[: args.batch1_prompts], m),
+    )
+    best_hf = max((v for k, v in figs.items() if k.startswith("HF")), default=None)
+    paged_best = max(v for k, v in figs.items() if k.startswith("paged") and "batch 1" not in k)
+    if best_hf:
+        rows.append(("paged / best HF", f"{paged_best / best_hf:.2f}x"))
+        print(f"paged / best HF: {paged_best / best_hf:.2f}x")
+    write_results(
+        "cpu.md",
+        f"Offline throughput, SmolLM2-135M-Instruct Q4_1 GGUF, {n} chat "
+        f"prompts x {m} new tokens, greedy",
+        rows,
+        {"figures": figs},
+    )
+
+
+def _batch1(path: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """One request at a time: the decode rate a single user sees."""
+    llm = LLM(path, dtype="bfloat16", max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    for p in prompts:
+        llm.generate([p], params, use_tqdm=False)
+    return len(prompts) * max_tokens / (time.perf_counter() - t)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Sampling and stopping: seeds, stop strings and ids, lengths, penalties, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged import SamplingParams
+
+PROMPT = [{"role": "user", "content": "Write a story about a dragon."}]
+
+
+def text_of(llm, params, conv=PROMPT):
+    return llm.chat(conv, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_seed_reproducible_whatever_the_batch(smollm):
+    p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24)
+    alone = text_of(smollm, p).token_ids
+    others = [[{"role": "user", "content": f"Count to {i}."}] for i in range(5)]
+    unseeded = SamplingParams(temperature=1.2, max_tokens=24)
+    outs = smollm.chat(
+        others[:2] + [PROMPT] + others[2:], [unseeded] * 2 + [p] + [unseeded] * 3, use_tqdm=False
+    )
+    assert outs[2].outputs[0].token_ids == alone
+    other_seed = text_of(
+        smollm, SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24)
+    ).token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(smollm):
+    greedy = text_of(smollm, SamplingParams(temperature=0, max_tokens=16)).token_ids
+    topk1 = text_of(smollm, SamplingParams(temperature=0.8, top_k=1, max_tokens=16)).token_ids
+    assert greedy == topk1
+
+
+def test_max_tokens_and_length_reason(smollm):
+    out = text_of(smollm, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out.token_ids) == 5
+    assert out.finish_reason == "length"
+
+
+def test_stop_string_not_in_text(smollm):
+    full = text_of(smollm, SamplingParams(temperature=0, max_tokens=40)).text
+    words = full.split()
+    assert len(words) > 4
+    stop = words[3]
+    out = text_of(smollm, SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    assert out.finish_reason == "stop"
+    assert out.stop_reason == stop
+    assert stop not in out.text
+    assert full.startswith(out.text)
+    assert out.text == full[: full.index(stop)]
+
+
+def test_stop_token_ids(smollm):
+    greedy = text_of(smollm, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    tok = greedy.token_ids[6]
+    out = text_of(smollm, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]))
+    assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(tok) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+
+
+def test_min_tokens_and_ignore_eos(smollm):
+    conv = [{"role": "user", "content": "What is the capital of France?"}]
+    short = text_of(smollm, SamplingParams(temperature=0, max_tokens=64), conv)
+    assert short.finish_reason == "stop"  # the model ends on its own
+    n = len(short.token_ids)
+    longer = text_of(smollm, SamplingParams(temperature=0, max_tokens=64, min_tokens=n + 5), conv)
+    assert len(longer.token_ids) >= n + 5
+    ignore = text_of(smollm, SamplingParams(temperature=0, max_tokens=n + 8, ignore_eos=True), conv)
+    assert len(ignore.token_ids) == n + 8
+
+
+def test_penalties_change_output(smollm):
+    base = text_of(smollm, SamplingParams(temperature=0, max_tokens=32)).token_ids
+    pen = text_of(
+        smollm,
+        SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.5, frequency_penalty=1.0),
+    ).token_ids
+    assert pen != base
+    assert len(set(pen)) >= len(set(base))
+
+
+def test_n_samples(smollm):
+    out = smollm.chat(
+        PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12), use_tqdm=False
+    )[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_prompt_too_long_is_refused(smollm):
+    with pytest.raises(ValueError, match="context length"):
+        smollm.generate([[5] * 2000], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not smollm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_invalid_params_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**kw)
+
+
+def test_bad_token_ids_refused(smollm):
+    with pytest.raises(ValueError, match="^prompt"):
+        smollm.generate([[10**7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        smollm.generate(
+            [[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[-1]), use_tqdm=False
+        )
+    assert smollm.engine.kv.num_free_blocks == smollm.engine.num_blocks
