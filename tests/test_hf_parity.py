@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged import LLM, SamplingParams
 
 CHATS = [
