@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `python -m paged.server` or `paged serve`."""

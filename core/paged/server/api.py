@@ -1,0 +1,172 @@
+"""Entry points for `paged serve`: add_serve_args(parser) and serve_main(args) -> exit code."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from paged.config import EngineConfig, parse_bytes
+
+log = logging.getLogger("paged.server")
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig flag (from the config class itself) plus the server's own."""
+    EngineConfig.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the API (also PAGED_API_KEY)",
+    )
+    g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
+    g.add_argument(
+        "--max-request-body",
+        type=parse_bytes,
+        default=8 << 20,
+        help="largest request body accepted, e.g. 8MiB (default); larger ones get 413",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)",
+    )
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server until SIGINT/SIGTERM (0) or until the engine dies (1)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        log.error("invalid configuration: %s", e)
+        return 2
+    api_key = args.api_key or os.environ.get("PAGED_API_KEY") or None
+    try:
+        return asyncio.run(_serve(config, args, api_key))
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        return e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
+    """(model name, a function loading the tokenizer or None) without loading weights."""
+    from paged.model.shapes import SHAPES
+
+    if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
+        return config.model, None  # a named shape: token ids only
+    from paged.model.loader import load_tokenizer, resolve_model
+
+    src = resolve_model(config.model)  # fails early and clearly on a bad path
+    return src.name, lambda: load_tokenizer(src, config.tokenizer)
+
+
+class _Server:
+    """uvicorn.Server that drains on SIGINT/SIGTERM and then returns (no re-raised signal)."""
+
+    def __init__(self, uv_config: Any, on_signal: Any) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                sigs = (signal.SIGINT, signal.SIGTERM)
+                old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+                try:
+                    yield
+                finally:
+                    for s, h in old.items():
+                        signal.signal(s, h)
+
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                on_signal()
+                super().handle_exit(sig, frame)
+
+        self.server = Server(uv_config)
+
+
+async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | None) -> int:
+    import uvicorn
+
+    from paged.engine.async_engine import AsyncEngine
+    from paged.engine.llm import load_chat_template
+    from paged.server.app import ServerState, build_app
+    from paged.server.metrics import ServerMetrics
+    from paged.server.serving import Serving
+
+    t0 = time.perf_counter()
+    try:
+        name, load_tok = _tokenizer_loader(config)
+        chat_template = load_chat_template(config.chat_template)
+    except (ValueError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 1
+    name = config.served_model_name or name
+    engine = AsyncEngine(config, log_level=args.log_level, tokenizer_loader=load_tok)
+    metrics = ServerMetrics(name, lambda: engine.stats)
+    engine.observer = metrics
+    state = ServerState(Serving(engine, name, chat_template), metrics, api_key)
+    state.max_body = args.max_request_body
+    uv = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="off",
+    )
+
+    def drain() -> None:
+        state.draining = True
+
+    server = _Server(uv, drain).server
+    engine.on_dead = lambda: setattr(server, "should_exit", True)
+    log.info("starting the engine for %s (%s)", name, "API key required" if api_key else "open")
+    engine.start()
+
+    async def announce() -> None:
+        if await engine.wait_ready():
+            i = engine.info or {}
+            log.info(
+                "ready in %.1f s: %s on %s (%s), max_model_len %d, KV cache %d blocks "
+                "(%d tokens); serving at http://%s:%d/v1",
+                time.perf_counter() - t0,
+                name,
+                i.get("platform"),
+                i.get("dtype"),
+                i.get("max_model_len", 0),
+                i.get("num_blocks", 0),
+                i.get("num_blocks", 0) * i.get("block_size", 0),
+                args.host,
+                args.port,
+            )
+
+    task = asyncio.create_task(announce())
+    try:
+        await server.serve()
+    finally:
+        state.draining = True
+        task.cancel()
+        await engine.shutdown()
+    if engine.dead is not None:
+        log.error("exiting: %s", engine.dead)
+        return 1
+    return 0 if server.started else 1

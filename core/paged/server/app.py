@@ -1,0 +1,172 @@
+"""The FastAPI app: routes, API key and body-size guard, readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+import paged
+from paged.server.errors import error_body, install_handlers
+from paged.server.metrics import CONTENT_TYPE, ServerMetrics
+from paged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from paged.server.serving import Serving
+from paged.server.serving_chat import create_chat_completion
+from paged.server.serving_completion import create_completion
+
+OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+
+
+@dataclass
+class ServerState:
+    serving: Serving
+    metrics: ServerMetrics
+    api_key: str | None = None
+    max_body: int = 1 << 20
+    draining: bool = False  # set on shutdown: /health answers 503
+
+
+class Guard:
+    """ASGI middleware, before routing and parsing: API key, then body size (413)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+        key = state.api_key
+        self.expect = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.expect is not None and scope["path"] not in OPEN_PATHS:
+            got = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expect):
+                msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+                body = error_body(401, msg, code="invalid_api_key")
+                return await JSONResponse(body, 401)(scope, receive, send)
+        limit = self.state.max_body
+        too_big = JSONResponse(
+            error_body(413, f"body: the request body exceeds {limit} bytes", "body"), 413
+        )
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            return await too_big(scope, receive, send)
+        chunks, size = [], 0
+        while True:  # buffer the body, counting what arrives whatever the header said
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return await too_big(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    return task.result()
+
+
+def build_app(state: ServerState) -> Any:
+    sv = state.serving
+    app = FastAPI(title="paged", version=paged.__version__)
+    install_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if sv.engine.ready and not state.draining:
+            return Response(status_code=200)
+        why = sv.engine.dead or ("shutting down" if state.draining else "the engine is starting")
+        return JSONResponse(error_body(503, why), 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": paged.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        sv.check_ready()
+        card = {"id": sv.model_name, "object": "model", "created": sv.created}
+        card |= {"owned_by": "paged", "max_model_len": sv.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await until_disconnect(request, create_completion(sv, req))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
+        return await until_disconnect(request, create_chat_completion(sv, req))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        sv.check_model(req.model)
+        if req.prompt is not None:
+            tok = sv.need_tokenizer("prompt")
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = tok(req.prompt, add_special_tokens=special).input_ids
+        else:
+            text, ids = sv.render_chat(req.messages or [], req.add_generation_prompt)
+            tok = sv.tokenizer
+            if req.add_special_tokens:
+                ids = tok(text, add_special_tokens=True).input_ids
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        count, limit = len(ids), sv.max_model_len
+        return {"count": count, "max_model_len": limit, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        sv.check_model(req.model)
+        tok = sv.need_tokenizer("tokens")
+        sv.check_ids(req.tokens, "tokens")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    return Guard(app, state)

@@ -1,0 +1,169 @@
+"""OpenAI request bodies as pydantic models (responses are built as plain dicts).
+
+Types and sizes are checked here; value ranges by SamplingParams.validate(), so that the
+offline API and the server refuse the same things with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from paged.sampling.params import SamplingParams
+
+MAX_N = 128  # sequences per prompt
+MAX_LIST = 1024  # stop_token_ids, logit_bias entries
+MAX_STOP = 64  # stop strings
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored, as OpenAI clients send fields a server may not know.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST)] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LIST)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None  # accepted, ignored
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams of this request; ValueError names the field."""
+        bias = None
+        if self.logit_bias:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise ValueError(
+                        f"logit_bias: keys must be token ids, got {k[:20]!r}"
+                    ) from None
+                if not -100 <= v <= 100:
+                    raise ValueError("logit_bias: values must be in [-100, 100]")
+        set_ = {
+            k: getattr(self, k)
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+            )
+            if getattr(self, k) is not None
+        }
+        return SamplingParams(
+            n=self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logit_bias=bias,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **set_,
+        )
+
+
+Prompt = (
+    Annotated[str, Field(max_length=10_000_000)]
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # tool_calls etc. pass on
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self, index: int) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise ValueError(f"messages[{index}].content: only text parts are supported")
+            content = "".join(p.text or "" for p in content)
+        msg = self.model_dump(exclude_none=True)
+        msg["content"] = content or ""
+        return msg
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=10_000_000)]

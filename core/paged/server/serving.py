@@ -1,0 +1,207 @@
+"""What completions, chat and tokenize share: checks, prompt fitting, fan-in, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+
+from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, SeqUpdate
+from paged.sampling.params import SamplingParams
+from paged.server.errors import APIError, bad_request
+from paged.server.protocol import ChatMessage, SamplingRequest
+
+log = logging.getLogger("paged.server")
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def api_error(e: BaseException) -> APIError:
+    """The client-facing error for an exception raised while generating."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return bad_request(e)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, "the engine is not running; the server is restarting")
+    if isinstance(e, EngineStepError):
+        log.error("engine step failed: %s", e)
+        return APIError(500, "the engine failed while running this request")
+    log.error("unexpected error while generating: %r", e)
+    return APIError(500, f"internal server error ({type(e).__name__})")
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str | None
+    ids: list[int]
+    params: SamplingParams  # max_tokens fitted to this prompt
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info["max_model_len"] if self.engine.info else 0
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_ready(self) -> None:
+        if self.engine.dead is not None:
+            raise APIError(503, "the engine is not running; the server is restarting")
+        if not self.engine.ready:
+            raise APIError(503, "the engine is starting; retry when /health answers 200")
+
+    def check_model(self, name: str | None) -> None:
+        self.check_ready()
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
+            )
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.engine.info["vocab_size"]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            msg = f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            raise APIError(400, msg, field)
+
+    def need_tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
+        return self.tokenizer
+
+    def params(self, req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+        try:
+            p = req.sampling_params(max_tokens)
+        except ValueError as e:
+            raise bad_request(e) from None
+        self.check_ids(p.stop_token_ids or [], "stop_token_ids")
+        self.check_ids(list(p.logit_bias or {}), "logit_bias")
+        return p
+
+    def fit(self, text: str | None, ids: list[int], params: SamplingParams, field: str) -> Prompt:
+        """The prompt with max_tokens fitted to the context, or a 400 with the counts."""
+        limit, n = self.max_model_len, len(ids)
+        if n == 0:
+            raise APIError(400, f"{field}: must not be empty", field)
+        self.check_ids(ids, field)
+        code = "context_length_exceeded"
+        if n >= limit:
+            msg = (
+                f"{field}: this model's maximum context length is {limit} tokens, but the "
+                f"prompt has {n} tokens (at least one must be left for the output)"
+            )
+            raise APIError(400, msg, field, code)
+        want = params.max_tokens
+        if want is not None and n + want > limit:
+            msg = (
+                f"max_tokens: this model's maximum context length is {limit} tokens, but "
+                f"{n + want} were requested ({n} in the prompt, {want} in the completion); "
+                "reduce the prompt or max_tokens"
+            )
+            raise APIError(400, msg, "max_tokens", code)
+        if want is None:
+            params = dataclasses.replace(params, max_tokens=limit - n)
+        return Prompt(text, ids, params)
+
+    # ---- chat templates ----------------------------------------------------------------
+    def render_chat(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        tok = self.need_tokenizer("messages")
+        try:
+            conv = [m.as_template_input(i) for i, m in enumerate(messages)]
+        except ValueError as e:
+            raise bad_request(e) from None
+        try:
+            text = tok.apply_chat_template(
+                conv,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template,
+            )
+        except Exception as e:  # jinja TemplateError, no template, raise_exception(...)
+            msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            msg = f"messages: cannot apply the chat template: {msg}"
+            raise APIError(400, msg, "messages") from None
+        return text, tok(text, add_special_tokens=False).input_ids
+
+    # ---- generation --------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompts: list[Prompt]
+    ) -> AsyncIterator[tuple[int, SeqUpdate]]:
+        """(prompt index, update) from every prompt's request, as they come."""
+        if len(prompts) == 1:
+            async for u in self.engine.generate(request_id, prompts[0].ids, prompts[0].params):
+                yield 0, u
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, p: Prompt) -> None:
+            try:
+                async for u in self.engine.generate(f"{request_id}-p{k}", p.ids, p.params):
+                    q.put_nowait((k, u))
+                q.put_nowait((k, None))
+            except BaseException as e:
+                q.put_nowait((k, e))
+                raise
+
+        tasks = [asyncio.create_task(pump(k, p)) for k, p in enumerate(prompts)]
+        left = len(tasks)
+        try:
+            while left:
+                k, item = await q.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; the body generator is always closed, so that a client that
+    went away aborts its requests however the stream ended."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
