@@ -1,0 +1,98 @@
+"""A live `python -m paged.server` on the default model, started once per session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+ENGINE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--dtype", "float32"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log: Path
+
+    def core_pid(self) -> int:
+        """The engine core process: the server's child running the spawn bootstrap."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmd = (stat.parent / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and b"spawn_main" in cmd:
+                return int(stat.parent.name)
+        raise AssertionError("no engine core process found")
+
+
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "paged.server", "--port", str(port), "--log-level", "warning"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([*cmd, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 240
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(srv.url + "/health", timeout=2).status_code == 200:
+                return srv
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(srv)
+            pytest.fail(f"the server was not ready in 240 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+def stop_server(srv: Server) -> int:
+    if srv.proc.poll() is None:
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            srv.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            srv.proc.kill()
+            srv.proc.wait()
+    return srv.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Server:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(ENGINE_ARGS, log, {"PAGED_API_KEY": API_KEY})
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def http(server: Server) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def client(server: Server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)

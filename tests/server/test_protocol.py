@@ -1,0 +1,124 @@
+"""Request validation, error mapping, the guard middleware and metrics, without a server."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from paged.server.app import Guard
+from paged.server.errors import install_handlers
+from paged.server.metrics import ServerMetrics
+from paged.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+
+@pytest.mark.parametrize("prompt", ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_prompt_shapes(prompt):
+    assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+def test_sampling_params_from_request():
+    req = CompletionRequest(prompt="x", temperature=0.5, top_k=5, seed=3, stop="\n",
+                            logit_bias={"7": -2.5}, n=2)  # fmt: skip
+    p = req.sampling_params(10)
+    assert (p.temperature, p.top_k, p.seed, p.stop, p.n) == (0.5, 5, 3, ["\n"], 2)
+    assert p.logit_bias == {7: -2.5} and p.max_tokens == 10
+    assert CompletionRequest(prompt="x").sampling_params(None).temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_sampling_errors_name_the_field(fields, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        CompletionRequest(prompt="x", **fields).sampling_params(2)
+
+
+def test_chat_message_parts():
+    req = ChatCompletionRequest(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]  # fmt: skip
+    )
+    assert req.messages[0].as_template_input(0) == {"role": "user", "content": "ab"}
+    img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content"):
+        img.messages[0].as_template_input(0)
+
+
+def test_tokenize_needs_one_input():
+    with pytest.raises(ValueError):
+        TokenizeRequest()
+    with pytest.raises(ValueError):
+        TokenizeRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
+
+
+@pytest.fixture(scope="module")
+def app_client():
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest) -> dict:
+        return {"ok": True}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    state = SimpleNamespace(api_key="k", max_body=1000)
+    with TestClient(Guard(app, state), headers={"Authorization": "Bearer k"}) as c:
+        yield c
+
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_validation_errors_are_400_with_param(app_client):
+    c = app_client
+    assert _error(c.post("/v1/completions", json={"prompt": "x", "n": 0}), 400)["param"] == "n"
+    assert _error(c.post("/v1/completions", json={}), 400)["param"] == "prompt"
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}
+    assert _error(c.post("/v1/chat/completions", json=bad), 400)["param"] == "messages[1].role"
+    r = c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
+    assert _error(r, 400)["param"] == "body"
+    assert c.post("/v1/completions", json={"prompt": "x", "whatever": 1}).status_code == 200
+
+
+def test_guard_key_and_size(app_client):
+    c = app_client
+    assert _error(
+        c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer no"}), 401
+    )
+    assert c.get("/health", headers={"Authorization": ""}).status_code == 200
+    assert _error(c.post("/v1/completions", json={"prompt": "x" * 2000}), 413)["param"] == "body"
+
+
+def test_metrics_render():
+    stats = {"num_requests_running": 2, "prompt_tokens": 7}
+    m = ServerMetrics("m", lambda: stats)
+    m.first_token(0.1)
+    m.finished("stop", 1.0)
+    text = m.render().decode()
+    assert 'paged:num_requests_running{model_name="m"} 2.0' in text
+    assert 'paged:prompt_tokens_total{model_name="m"} 7.0' in text
+    assert 'paged:request_success_total{finished_reason="stop",model_name="m"} 1.0' in text
+    assert 'paged:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
