@@ -96,3 +96,17 @@ def client(server: Server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Start extra servers for one test (stopped afterwards): launch(args, env) -> Server."""
+    started: list[Server] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> Server:
+        started.append(start_server(args, tmp_path / f"server{len(started)}.log", env))
+        return started[-1]
+
+    yield start
+    for srv in started:
+        stop_server(srv)

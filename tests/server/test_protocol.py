@@ -82,7 +82,7 @@ def app_client():
     async def health() -> dict:
         return {}
 
-    state = SimpleNamespace(api_key="k", max_body=1000)
+    state = SimpleNamespace(api_key="k", max_body=1000, draining=False, inflight=0)
     with TestClient(Guard(app, state), headers={"Authorization": "Bearer k"}) as c:
         yield c
 
@@ -115,7 +115,7 @@ def test_guard_key_and_size(app_client):
 def test_metrics_render():
     stats = {"num_requests_running": 2, "prompt_tokens": 7}
     m = ServerMetrics("m", lambda: stats)
-    m.first_token(0.1)
+    m.tokens(0.1, 1, first=True)
     m.finished("stop", 1.0)
     text = m.render().decode()
     assert 'paged:num_requests_running{model_name="m"} 2.0' in text

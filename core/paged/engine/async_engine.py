@@ -1,15 +1,11 @@
 """AsyncEngine: the EngineCore in its own process, driven from an asyncio server.
 
-The core process owns the model and steps whenever it has work; the server process
-tokenizes, detokenizes (OutputState) and streams. They talk over two ZMQ ipc sockets
-with pickled tuples:
-
+The core process steps whenever it has work; the server process tokenizes, detokenizes
+(OutputState) and streams. Two ZMQ ipc sockets carry pickled tuples:
     server -> core   ("add", [(id, prompt_ids, params), ...]) | ("abort", [ids]) | ("shutdown",)
     core -> server   ("ready", info) | ("error", message) | ("out", outputs, stats, queue_times)
-
-One "out" message per step batches every output of that step with EngineCore.metrics().
-If the core process dies, every in-flight request fails with EngineDeadError and
-`on_dead` fires (the server then exits non-zero so a supervisor restarts it).
+One "out" per step batches its outputs with EngineCore.metrics(). If the core dies, every
+in-flight request fails with EngineDeadError and `on_dead` fires (the server exits 1).
 """
 
 from __future__ import annotations
@@ -20,13 +16,13 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
 import zmq.asyncio
 
 from paged.config import EngineConfig
@@ -44,20 +40,20 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """An engine step failed for this request; the engine itself is still serving."""
+    """An engine step failed for this request; the engine itself still serves."""
 
 
 # ---- the core process ------------------------------------------------------------------
 def _core_main(config: EngineConfig, addr_in: str, addr_out: str, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    # Ctrl-C or a group SIGTERM is the server's to handle (it drains, then stops us).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(addr_in)
     push.connect(addr_out)
-
-    def send(*msg: Any) -> None:
-        push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
+    send = lambda *msg: push.send(pickle.dumps(msg, 5))
     try:
         from paged.engine.core import EngineCore
 
@@ -68,19 +64,9 @@ def _core_main(config: EngineConfig, addr_in: str, addr_out: str, log_level: str
         push.close(linger=2000)
         raise SystemExit(1) from None
     name = core.source.name if core.source is not None else config.model
-    send(
-        "ready",
-        {
-            "max_model_len": core.max_model_len,
-            "vocab_size": core.vocab_size,
-            "model_name": name,
-            "num_blocks": core.num_blocks,
-            "block_size": config.block_size,
-            "platform": core.platform.name,
-            "dtype": config.dtype,
-            "pid": os.getpid(),
-        },
-    )
+    info = dict(max_model_len=core.max_model_len, vocab_size=core.vocab_size, model_name=name)
+    info |= dict(num_blocks=core.num_blocks, block_size=config.block_size, pid=os.getpid())
+    send("ready", info | dict(platform=core.platform.name, dtype=config.dtype))
     try:
         _core_loop(core, pull, send)
     finally:
@@ -94,9 +80,8 @@ def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None]) -> None:
     ppid = os.getppid()
     arrivals: dict[str, float] = {}  # requests not yet scheduled -> arrival time
     while True:
-        rejected: list[EngineOutput] = []
-        busy = core.has_unfinished()
-        timeout, got = (0 if busy else 1000), False
+        rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
+        timeout, got = (0 if core.has_unfinished() else 1000), False
         while pull.poll(timeout):
             kind, *payload = pickle.loads(pull.recv())
             if kind == "add":
@@ -119,15 +104,13 @@ def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None]) -> None:
             continue
         t = time.time()
         outs = core.step()
-        queue_times = []
-        if arrivals:
-            done = {eo.request_id for eo in outs}
-            for rid, t0 in list(arrivals.items()):
-                req = core.requests.get(rid)
-                if rid in done or (req is not None and req.status is not Status.WAITING):
+        queue_times, done = [], {eo.request_id for eo in outs}
+        for rid, t0 in list(arrivals.items()):  # first scheduled in this step: queue time
+            req = core.requests.get(rid)
+            if req is None or req.status is not Status.WAITING:
+                del arrivals[rid]
+                if req is not None or rid in done:
                     queue_times.append(t - t0)
-                if req is None or req.status is not Status.WAITING:
-                    del arrivals[rid]
         send("out", rejected + outs, core.metrics(), queue_times)
 
 
@@ -142,15 +125,11 @@ class SeqUpdate:
 
 
 class AsyncEngine:
-    def __init__(
-        self,
-        config: EngineConfig,
-        log_level: str = "info",
-        tokenizer_loader: Callable[[], Any] | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, log_level: str = "info", tokenizer_loader=None):
+        """tokenizer_loader: a function run in a thread while the core starts."""
         self.config = config
-        self.tokenizer: Any = None  # loaded in a thread while the core starts
-        self._load_tokenizer = tokenizer_loader
+        self.tokenizer: Any = None
+        self._load_tokenizer: Callable[[], Any] | None = tokenizer_loader
         self.log_level = log_level
         self.info: dict[str, Any] | None = None  # the core's "ready" message
         self.stats: dict[str, float] = {}  # latest EngineCore.metrics()
@@ -159,9 +138,7 @@ class AsyncEngine:
         self.on_dead: Callable[[], None] | None = None
         self._seqs: dict[str, tuple[asyncio.Queue, int]] = {}
         self._children: dict[str, list[str]] = {}
-        self._ready = asyncio.Event()  # core ready and tokenizer loaded
-        self._tokenizer_done = False
-        self._dead_evt = asyncio.Event()
+        self._settled = asyncio.Event()  # ready (core and tokenizer) or dead
         self._proc: Any = None
         self._closing = False
 
@@ -169,19 +146,16 @@ class AsyncEngine:
     def start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="paged-")
         addr_in, addr_out = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._push = zmq.Context.instance().socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._ctxs = (zmq.Context(), zmq.asyncio.Context())
+        for ctx in self._ctxs:  # unbounded queues: a send never blocks the event loop
+            ctx.setsockopt(zmq.SNDHWM, 0)
+            ctx.setsockopt(zmq.RCVHWM, 0)
+        self._push, self._pull = self._ctxs[0].socket(zmq.PUSH), self._ctxs[1].socket(zmq.PULL)
         self._push.bind(addr_in)
-        self._pull = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(addr_out)
+        args = (self.config, addr_in, addr_out, self.log_level)
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=_core_main,
-            args=(self.config, addr_in, addr_out, self.log_level),
-            name="paged-core",
-            daemon=True,
-        )
+        self._proc = mp.Process(target=_core_main, args=args, name="paged-core", daemon=True)
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)
@@ -189,26 +163,25 @@ class AsyncEngine:
         self._tok_task = loop.create_task(self._tokenizer())
 
     async def _tokenizer(self) -> None:
-        if self._load_tokenizer is not None:
-            try:
+        try:
+            if self._load_tokenizer is not None:
                 self.tokenizer = await asyncio.to_thread(self._load_tokenizer)
-            except Exception as e:
-                self._die(f"cannot load the tokenizer: {e}")
-                return
-        self._tokenizer_done = True
-        if self.info is not None:
-            self._ready.set()
+            self._load_tokenizer = None
+            self._settle()
+        except Exception as e:
+            self._die(f"cannot load the tokenizer: {e}")
+
+    def _settle(self) -> None:
+        if self.info is not None and self._load_tokenizer is None:
+            self._settled.set()
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self.dead is None
+        return self._settled.is_set() and self.dead is None
 
     async def wait_ready(self) -> bool:
-        """Wait for the core's ready message; False when it died instead."""
-        waits = [asyncio.ensure_future(e.wait()) for e in (self._ready, self._dead_evt)]
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+        """Wait until the engine is ready (True) or dead (False)."""
+        await self._settled.wait()
         return self.ready
 
     async def shutdown(self, timeout: float = 5.0) -> None:
@@ -224,8 +197,8 @@ class AsyncEngine:
             await asyncio.to_thread(self._proc.join, 2)
         self._reader.cancel()
         self._tok_task.cancel()
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
+        for ctx in self._ctxs:
+            ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _on_exit(self) -> None:
@@ -238,7 +211,7 @@ class AsyncEngine:
         if self.dead is not None:
             return
         self.dead = reason
-        self._dead_evt.set()
+        self._settled.set()
         log.error("engine dead: %s", reason)
         for q, _ in self._seqs.values():
             q.put_nowait(EngineDeadError(reason))
@@ -259,13 +232,12 @@ class AsyncEngine:
                         entry[0].put_nowait((entry[1], eo))
             elif kind == "ready":
                 self.info = msg[0]
-                if self._tokenizer_done:
-                    self._ready.set()
+                self._settle()
             elif kind == "error":
                 self._die(f"engine start-up failed: {msg[0]}")
 
     def _send(self, *msg: Any) -> None:
-        self._push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self._push.send(pickle.dumps(msg, 5))
 
     # ---- requests --------------------------------------------------------------------
     async def generate(
@@ -301,18 +273,14 @@ class AsyncEngine:
                     raise item
                 i, eo = item
                 if eo.error is not None:
-                    if eo.finish_reason == REJECTED:
-                        raise ValueError(eo.error)
-                    raise EngineStepError(eo.error)
+                    bad = eo.finish_reason == REJECTED  # the core refused it: a client error
+                    raise ValueError(eo.error) if bad else EngineStepError(eo.error)
                 st = states[i]
                 if st.update(eo):  # a stop string ended it: free its blocks now
                     self._send("abort", [cids[i]])
                 now = time.monotonic()
-                if obs is not None and eo.new_token_ids:
-                    if last[i] == 0.0:
-                        obs.first_token(now - t0)
-                    else:
-                        obs.token_gap(now - last[i], len(eo.new_token_ids))
+                if obs is not None and eo.new_token_ids:  # time to first token, or between
+                    obs.tokens(now - (last[i] or t0), len(eo.new_token_ids), first=not last[i])
                     last[i] = now
                 if st.finished:
                     live -= 1

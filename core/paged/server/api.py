@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from paged.config import EngineConfig, parse_bytes
@@ -76,31 +76,31 @@ def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
     return src.name, lambda: load_tokenizer(src, config.tokenizer)
 
 
-class _Server:
-    """uvicorn.Server that drains on SIGINT/SIGTERM and then returns (no re-raised signal)."""
+def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
+    """A uvicorn.Server whose first SIGINT/SIGTERM calls on_signal() (which drains, then
+    sets should_exit) and whose second one exits at once; no signal is re-raised after."""
+    import uvicorn
 
-    def __init__(self, uv_config: Any, on_signal: Any) -> None:
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            old = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Iterator[None]:
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                sigs = (signal.SIGINT, signal.SIGTERM)
-                old = {s: signal.signal(s, self.handle_exit) for s in sigs}
-                try:
-                    yield
-                finally:
-                    for s, h in old.items():
-                        signal.signal(s, h)
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not on_signal():
+                self.force_exit = self.should_exit
+                self.should_exit = True
 
-            def handle_exit(self, sig: int, frame: Any) -> None:
-                on_signal()
-                super().handle_exit(sig, frame)
-
-        self.server = Server(uv_config)
+    return Server(uv_config)
 
 
 async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | None) -> int:
@@ -130,14 +130,29 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=5,  # after our own drain (see on_signal)
         lifespan="off",
     )
 
-    def drain() -> None:
-        state.draining = True
+    loop = asyncio.get_running_loop()
 
-    server = _Server(uv, drain).server
+    async def drain() -> None:
+        state.draining = True
+        log.info("shutting down: finishing %d in-flight requests", state.inflight)
+        deadline = time.monotonic() + args.shutdown_timeout
+        while state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        server.should_exit = True
+
+    def on_signal() -> bool:  # runs in the signal handler: only schedule work
+        if state.draining:
+            return False
+        state.draining = True
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain())))
+        return True
+
+    tasks: list[asyncio.Task] = []
+    server = _make_server(uv, on_signal)
     engine.on_dead = lambda: setattr(server, "should_exit", True)
     log.info("starting the engine for %s (%s)", name, "API key required" if api_key else "open")
     engine.start()

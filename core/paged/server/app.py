@@ -32,47 +32,59 @@ class ServerState:
     serving: Serving
     metrics: ServerMetrics
     api_key: str | None = None
-    max_body: int = 1 << 20
-    draining: bool = False  # set on shutdown: /health answers 503
+    max_body: int = 8 << 20
+    draining: bool = False  # after SIGTERM: new requests get 503, in-flight ones finish
+    inflight: int = 0  # requests inside the app (not counting the open paths)
+
+
+def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
+    return JSONResponse(error_body(status, message, param, code), status)
 
 
 class Guard:
-    """ASGI middleware, before routing and parsing: API key, then body size (413)."""
+    """ASGI middleware, before routing and parsing: draining (503), API key (401), body
+    size (413, counted as it arrives whatever Content-Length says)."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
         key = state.api_key
         self.expect = f"Bearer {key}".encode() if key else None
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if self.expect is not None and scope["path"] not in OPEN_PATHS:
-            got = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expect):
-                msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
-                body = error_body(401, msg, code="invalid_api_key")
-                return await JSONResponse(body, 401)(scope, receive, send)
-        limit = self.state.max_body
-        too_big = JSONResponse(
-            error_body(413, f"body: the request body exceeds {limit} bytes", "body"), 413
-        )
+    def _check(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        if path in OPEN_PATHS:
+            return None
+        if self.state.draining:
+            return _refuse(503, "the server is shutting down")
+        if self.expect is not None and not secrets.compare_digest(
+            headers.get(b"authorization", b""), self.expect
+        ):
+            msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+            return _refuse(401, msg, code="invalid_api_key")
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             declared = 0
-        if declared > limit:
-            return await too_big(scope, receive, send)
+        return self._too_big() if declared > self.state.max_body else None
+
+    def _too_big(self) -> JSONResponse:
+        msg = f"body: the request body exceeds {self.state.max_body} bytes"
+        return _refuse(413, msg, "body")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._check(scope["path"], dict(scope.get("headers") or []))
+        if refusal is not None:
+            return await refusal(scope, receive, send)
         chunks, size = [], 0
-        while True:  # buffer the body, counting what arrives whatever the header said
+        while True:
             msg = await receive()
             if msg["type"] != "http.request":
                 return  # the client went away
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
-            if size > limit:
-                return await too_big(scope, receive, send)
+            if size > self.state.max_body:
+                return await self._too_big()(scope, receive, send)
             if not msg.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
@@ -84,7 +96,12 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        counted = scope["path"] not in OPEN_PATHS
+        self.state.inflight += counted
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.state.inflight -= counted
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

@@ -50,7 +50,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The /metrics registry; AsyncEngine calls first_token, token_gap, finished, queue_times."""
+    """The /metrics registry; AsyncEngine calls tokens, finished and queue_times."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict[str, float]]) -> None:
         self.registry = CollectorRegistry()
@@ -75,12 +75,13 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         reg.register(_EngineCollector(model_name, stats))
 
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def token_gap(self, seconds: float, num_tokens: int) -> None:
-        for _ in range(num_tokens):
-            self.itl.observe(seconds / num_tokens)
+    def tokens(self, seconds: float, num_tokens: int, first: bool) -> None:
+        """num_tokens arrived `seconds` after the request started (first) or the last ones."""
+        if first:
+            self.ttft.observe(seconds)
+        else:
+            for _ in range(num_tokens):
+                self.itl.observe(seconds / num_tokens)
 
     def finished(self, reason: str, seconds: float) -> None:
         self.success.labels(self.model_name, reason).inc()

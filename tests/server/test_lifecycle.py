@@ -1,0 +1,68 @@
+"""Server lifecycle on a tiny random model (fast start): engine death and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama that uses the default model's tokenizer (and chat template)."""
+    import torch
+    from paged.model.loader import load_tokenizer, resolve_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    tok = load_tokenizer(resolve_model(None))
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+TINY_ARGS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
+
+
+def test_engine_death_fails_requests_and_exits_nonzero(tiny_model, launch):
+    srv = launch([tiny_model, *TINY_ARGS])
+    body = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        os.kill(srv.core_pid(), signal.SIGKILL)
+        events = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert "engine" in err["message"] and err["type"] == "service_unavailable"
+    try:  # until it exits, the server says it is unhealthy
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+    except httpx.ConnectError:
+        pass
+    assert srv.proc.wait(timeout=30) == 1
+    assert "engine dead" in srv.log.read_text()
+
+
+def test_sigterm_finishes_in_flight_then_exits_zero(tiny_model, launch):
+    srv = launch([tiny_model, *TINY_ARGS])
+    body = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
+        late = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        events = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert srv.proc.wait(timeout=30) == 0
