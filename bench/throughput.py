@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from common import chat_prompts, write_results  # noqa: E402
+
 from paged import LLM, SamplingParams  # noqa: E402
 from paged.model.loader import default_model_path  # noqa: E402
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+
 from paged.model import loader
 from paged.model.loader import (
     ModelLoadError,

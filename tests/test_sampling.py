@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from paged import SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a story about a dragon."}]

@@ -23,6 +23,8 @@ class Platform:
     priority: ClassVar[int] = 0  # higher wins when several are available
     dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    # Run one forward at the largest batch before sizing the KV cache (device memory).
+    needs_profile_run: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -73,6 +75,9 @@ class Platform:
 
     def synchronize(self) -> None:
         pass
+
+    def reset_peak_memory(self) -> None:
+        """Start of the profiling forward: forget the allocator's high-water mark."""
 
     def empty_cache(self) -> None:
         pass

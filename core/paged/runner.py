@@ -85,6 +85,39 @@ class ModelRunner:
             layer.self_attn.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def profile_run(self) -> None:
+        """A forward over `max_num_batched_tokens` tokens and logits for `max_num_seqs` rows,
+        on a throwaway KV cache, so the platform sees the activation peak."""
+        from paged.engine.request import Request
+        from paged.engine.scheduler import Batch
+        from paged.sampling.params import SamplingParams
+
+        cfg, bs = self.config, self.block_size
+        budget = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        batch, next_block = Batch(), 0
+        while budget > 0:
+            n = min(budget, self.max_model_len - 1)
+            req = Request(f"profile-{len(batch)}", [0] * n, SamplingParams(temperature=0))
+            nblocks = -(-n // bs)
+            req.block_ids = list(range(next_block, next_block + nblocks))
+            next_block += nblocks
+            batch.reqs.append(req)
+            batch.num_new.append(n)
+            budget -= n
+        self.platform.reset_peak_memory()
+        self.allocate_kv_cache(next_block)
+        with torch.inference_mode():
+            input_ids, positions, meta, _ = self.prepare(batch)
+            hidden = self.step_runner.forward(input_ids, positions, meta)
+            rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
+            self.model.compute_logits(hidden[rows]).softmax(-1)
+        self.platform.synchronize()
+        self.kv_caches = []
+        for layer in self.model.layers:
+            layer.self_attn.kv_cache = None
+        del hidden
+        self.platform.empty_cache()
+
     # ---- one step -------------------------------------------------------------------
     def prepare(
         self, batch: Batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from paged.cli.batch_body import BodyError, completion_prompts, sampling_params
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from paged.kernels import (
     decode_workspace,
     paged_attention_decode,

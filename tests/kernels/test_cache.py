@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from paged.kernels import reshape_and_cache
 
 

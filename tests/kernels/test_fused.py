@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from paged.kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
 
 DTYPES = [torch.float32, torch.bfloat16]

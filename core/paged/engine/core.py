@@ -75,6 +75,9 @@ class EngineCore:
         self.runner = ModelRunner(
             config, self.platform, self.hf_config, self.max_model_len, weights
         )
+        if self.platform.needs_profile_run and config.num_kv_blocks is None \
+                and config.kv_cache_memory is None:
+            self.runner.profile_run()
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.step_runner.capture()

@@ -1,0 +1,1 @@
+"""paged-cuda: the NVIDIA CUDA platform plugin for paged."""
