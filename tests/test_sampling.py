@@ -119,3 +119,19 @@ def test_bad_token_ids_refused(smollm):
             [[1, 2, 3]], SamplingParams(max_tokens=2, stop_token_ids=[-1]), use_tqdm=False
         )
     assert smollm.engine.kv.num_free_blocks == smollm.engine.num_blocks
+
+
+def test_logprobs_match_a_full_forward(smollm):
+    import torch
+
+    out = text_of(smollm, SamplingParams(temperature=0, max_tokens=4, logprobs=3))
+    assert len(out.logprobs) == 4
+    for tok, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert next(iter(entry)) == tok  # the sampled token comes first
+        assert len(entry) >= 3
+        assert max(entry.values()) == entry[tok]  # greedy: the sampled token is the top one
+        assert all(v <= 0 for v in entry.values())
+    assert (
+        abs(out.cumulative_logprob - sum(e[t] for e, t in zip(out.logprobs, out.token_ids))) < 1e-6
+    )
+    assert torch.isfinite(torch.tensor(out.cumulative_logprob))

@@ -166,13 +166,39 @@ class ModelRunner:
         return input_ids, positions.to(dev, non_blocking=True), meta, logits_idx
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[int]:
-        """Run one step; returns a sampled token per request that completed its prompt."""
+    def execute(self, batch: Batch) -> tuple[list[int], dict[str, dict[int, float]]]:
+        """Run one step. Returns a sampled token per request that completed its prompt, and
+        {request id: {token: logprob}} for those that asked for logprobs (sampled first)."""
         input_ids, positions, meta, logits_idx = self.prepare(batch)
         hidden = self.step_runner.forward(input_ids, positions, meta)
         if logits_idx.numel() == 0:
-            return []
+            return [], {}
         logits = self.model.compute_logits(hidden[logits_idx])
         sampling_reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
+        want = [r.params.logprobs for r in sampling_reqs]
+        logprobs = logits.log_softmax(-1) if any(w is not None for w in want) else None
         sb = build_sampling_batch(sampling_reqs, self.device, self.vocab_size)
-        return sample(logits, sb).tolist()
+        tokens = sample(logits, sb)
+        return tokens.tolist(), self._logprobs(sampling_reqs, want, logprobs, tokens)
+
+    @staticmethod
+    def _logprobs(
+        reqs, want: list[int | None], logprobs: torch.Tensor | None, tokens: torch.Tensor
+    ) -> dict[str, dict[int, float]]:
+        """The sampled token's logprob plus the top-n, from the raw (unpenalised) logits."""
+        if logprobs is None:
+            return {}
+        k = max(w or 0 for w in want)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
+        top_v = top_v.tolist() if k else None
+        top_i = top_i.tolist() if k else None
+        out = {}
+        for row, (req, w) in enumerate(zip(reqs, want)):
+            if w is None:
+                continue
+            entry = {int(tokens[row]): chosen[row]}
+            for j in range(w):
+                entry.setdefault(top_i[row][j], top_v[row][j])
+            out[req.request_id] = entry
+        return out

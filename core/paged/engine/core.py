@@ -30,6 +30,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # one {token: logprob} per new token
 
 
 def load_model_config(config: EngineConfig):
@@ -75,8 +76,11 @@ class EngineCore:
         self.runner = ModelRunner(
             config, self.platform, self.hf_config, self.max_model_len, weights
         )
-        if self.platform.needs_profile_run and config.num_kv_blocks is None \
-                and config.kv_cache_memory is None:
+        if (
+            self.platform.needs_profile_run
+            and config.num_kv_blocks is None
+            and config.kv_cache_memory is None
+        ):
             self.runner.profile_run()
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -176,7 +180,7 @@ class EngineCore:
             return []
         lens = {r.request_id: r.num_output_tokens for r in batch.reqs}
         try:
-            sampled = self.runner.execute(batch)
+            sampled, logprobs = self.runner.execute(batch)
         except Exception as e:  # fail this step's requests, keep the engine alive
             log.exception("step failed")
             outs = []
@@ -191,7 +195,10 @@ class EngineCore:
             self.stats["generation_tokens"] += len(new)
             if req.finished:
                 self.requests.pop(req.request_id, None)
-            outs.append(self._output(req, new))
+            out = self._output(req, new)
+            if req.request_id in logprobs:
+                out.logprobs = [logprobs[req.request_id]]
+            outs.append(out)
         return outs
 
     def _output(self, req: Request, new: list[int], error: str | None = None) -> EngineOutput:

@@ -49,6 +49,11 @@ class OutputState:
         """Apply an engine output; True when a stop string ended the sequence here."""
         out = self.out
         out.token_ids.extend(eo.new_token_ids)
+        if eo.logprobs:
+            out.logprobs = (out.logprobs or []) + eo.logprobs
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sum(
+                lp[t] for lp, t in zip(eo.logprobs, eo.new_token_ids)
+            )
         stopped = False
         if self.detok is not None and not self.finished:
             delta = self.detok.add(eo.new_token_ids)
