@@ -15,8 +15,9 @@ import pytest
 def tiny_model(tmp_path_factory) -> str:
     """A 2-layer random Llama that uses the default model's tokenizer (and chat template)."""
     import torch
-    from paged.model.loader import load_tokenizer, resolve_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.model.loader import load_tokenizer, resolve_model
 
     path = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
     tok = load_tokenizer(resolve_model(None))
@@ -53,12 +54,12 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model, launch):
 
 def test_sigterm_finishes_in_flight_then_exits_zero(tiny_model, launch):
     srv = launch([tiny_model, *TINY_ARGS])
-    body = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        time.sleep(0.2)
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
         late = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = 'model_name="SmolLM2-135M-Instruct"'
@@ -86,9 +87,9 @@ def test_disconnect_before_response_aborts(server, http):
 
     body = {"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}
     headers = {"Authorization": "Bearer test-key-123"}
-    try:
+    before = m(scrape(http), "generation_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=1.5)
-    except httpx.TimeoutException:
-        pass
     v = wait_idle(http)
     assert m(v, "num_requests_running") == 0 and m(v, "kv_cache_usage_perc") == 0
+    assert 0 < m(v, "generation_tokens_total") - before < 1000

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+
 from paged.server.app import Guard
 from paged.server.errors import install_handlers
 from paged.server.metrics import ServerMetrics

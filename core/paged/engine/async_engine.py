@@ -32,6 +32,7 @@ from paged.engine.outputs import OutputState
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 REJECTED = "rejected"  # finish_reason of a request the core refused in add_request
 
 
@@ -45,9 +46,8 @@ class EngineStepError(RuntimeError):
 
 # ---- the core process ------------------------------------------------------------------
 def _core_main(config: EngineConfig, addr_in: str, addr_out: str, log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    # Ctrl-C or a group SIGTERM is the server's to handle (it drains, then stops us).
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the server's to handle: it drains, stops us
         signal.signal(sig, signal.SIG_IGN)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -47,9 +47,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the server until SIGINT/SIGTERM (0) or until the engine dies (1)."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
-    )
+    from paged.engine.async_engine import LOG_FORMAT
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
