@@ -55,14 +55,14 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rope(self.device)
         t0 = time.perf_counter()
-        if weights is None:  # dummy: seeded random weights
-            gen = torch.Generator(device="cpu").manual_seed(self.config.seed)
+        if weights is None:  # dummy: seeded random weights, drawn on the device
+            gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if "norm" in name:
                         p.fill_(1.0)
                     else:
-                        p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.02)
+                        p.normal_(0.0, 0.02, generator=gen)
         else:
             loaded = model.load_weights(weights)
             missing = model.expected_weights() - loaded

@@ -1,0 +1,164 @@
+"""GPU correctness: paged vs HF transformers on the same random ~1B Llama weights.
+
+    python bench/gpu_check.py [--out DIR]
+
+float32: greedy tokens must be identical, CUDA graphs on and off. bfloat16: logprobs of the
+tokens paged chose, against HF's bfloat16 forward over the same sequence (teacher forcing).
+Also measures the ceilings (copy bandwidth, bf16 matmul rate). Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB per buffer
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    copy_gbs = 2 * a.numel() * 2 * reps / (time.perf_counter() - t) / 1e9
+    del a, b
+    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        x @ y
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        x @ y
+    torch.cuda.synchronize()
+    tflops = 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
+    return {"copy_GBps": round(copy_gbs, 1), "bf16_matmul_TFLOPs": round(tflops, 1)}
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out, ids, past = [], torch.tensor([prompt], device="cuda"), None
+    with torch.inference_mode():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            ids = torch.tensor([[tok]], device="cuda")
+    return out
+
+
+def hf_logprobs(model, prompt: list[int], gen: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + gen], device="cuda")
+    with torch.inference_mode():
+        lp = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    return lp.gather(1, torch.tensor(gen, device="cuda")[:, None]).squeeze(1).tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=16)
+    args = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged import LLM, SamplingParams
+    from paged.model.shapes import SHAPES
+
+    report: dict = {"device": torch.cuda.get_device_name(0), "ceilings": ceilings()}
+    print("ceilings", report["ceilings"], flush=True)
+    shape = dict(
+        SHAPES["llama-3.2-1b"], num_hidden_layers=args.layers, max_position_embeddings=4096
+    )
+    cfg = LlamaConfig(**shape)
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(cfg).float().eval()
+    report["params_B"] = round(sum(p.numel() for p in hf.parameters()) / 1e9, 3)
+    tmp = tempfile.mkdtemp()
+    hf.save_pretrained(tmp, safe_serialization=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+        for n in (5, 17, 64, 100, 129, 200, 300, 513)
+    ]
+    n = args.new_tokens
+    t = time.perf_counter()
+    ref = [hf_greedy(hf, p, n) for p in prompts]
+    print(f"HF fp32 reference in {time.perf_counter() - t:.1f}s", flush=True)
+    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    for eager in (False, True):
+        llm = LLM(
+            tmp,
+            dtype="float32",
+            max_model_len=2048,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.5,
+            max_num_seqs=64,
+        )
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outs]
+        same = [a == b for a, b in zip(got, ref)]
+        first_diff = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            for a, b in zip(got, ref)
+        ]
+        key = f"fp32_identical_{'eager' if eager else 'graphs'}"
+        report[key] = f"{sum(same)}/{len(same)}"
+        report[key + "_first_diff"] = first_diff
+        print(key, report[key], first_diff, flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    hf = hf.to(torch.bfloat16)
+    toks = {}
+    for eager in (False, True):
+        llm = LLM(
+            tmp,
+            dtype="bfloat16",
+            max_model_len=2048,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.5,
+            max_num_seqs=64,
+        )
+        outs = llm.generate(
+            prompts,
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1),
+            use_tqdm=False,
+        )
+        toks[eager] = [o.outputs[0].token_ids for o in outs]
+        if not eager:
+            diffs = []
+            for p, o in zip(prompts, outs):
+                ours = [e[t] for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                theirs = hf_logprobs(hf, p, o.outputs[0].token_ids)
+                diffs += [abs(a - b) for a, b in zip(ours, theirs)]
+            report["bf16_logprob_absdiff_max"] = round(max(diffs), 4)
+            report["bf16_logprob_absdiff_mean"] = round(sum(diffs) / len(diffs), 5)
+            report["bf16_greedy_match_hf"] = sum(
+                a == b for a, b in zip(toks[eager], [hf_greedy(hf, p, n) for p in prompts])
+            )
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["bf16_graphs_vs_eager_identical"] = toks[False] == toks[True]
+    print(json.dumps(report, indent=1), flush=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
