@@ -25,6 +25,8 @@ class Platform:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     # Run one forward at the largest batch before sizing the KV cache (device memory).
     needs_profile_run: ClassVar[bool] = False
+    # Stage per-step inputs in page-locked host memory (async copies to the device).
+    pin_memory: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:

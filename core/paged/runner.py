@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -10,6 +9,7 @@ import torch
 
 from paged.config import EngineConfig
 from paged.engine.scheduler import Batch
+from paged.input_buffers import InputBuffers
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
 from paged.model.llama import head_dim_of
@@ -46,6 +46,14 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
+        self.inputs = InputBuffers(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs,
+            self.max_blocks_per_seq,
+            config.block_size,
+            self.device,
+            platform.pin_memory,
+        )
         self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
 
     def _build_model(self, weights) -> torch.nn.Module:
@@ -122,48 +130,8 @@ class ModelRunner:
     def prepare(
         self, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
-        starts = [r.num_computed_tokens for r in batch.reqs]
-        ids: list[int] = []
-        for r, s, n in zip(batch.reqs, starts, batch.num_new):
-            ids.extend(r.token_ids[s : s + n])
-        q_lens = torch.tensor(batch.num_new, dtype=torch.int32)
-        seq_lens_cpu = [s + n for s, n in zip(starts, batch.num_new)]
-        seq_lens = torch.tensor(seq_lens_cpu, dtype=torch.int32)
-        num_tokens = len(ids)
-        qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        req_idx = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
-        positions = (
-            torch.arange(num_tokens)
-            - qsl[:-1].long()[req_idx]
-            + torch.tensor(starts, dtype=torch.long)[req_idx]
-        )
-        max_blocks = max(len(r.block_ids) for r in batch.reqs)
-        table = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
-        for i, r in enumerate(batch.reqs):
-            table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        slots = table[req_idx, positions // bs].long() * bs + positions % bs
-        # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
-        ends = list(itertools.accumulate(batch.num_new))
-        last = [e - 1 for e, r, s in zip(ends, batch.reqs, seq_lens_cpu) if s >= r.num_tokens]
-        dev = self.device
-        meta = AttentionMetadata(
-            num_reqs=len(batch),
-            num_decodes=batch.num_decodes,
-            num_tokens=num_tokens,
-            query_start_loc=qsl.to(dev, non_blocking=True),
-            seq_lens=seq_lens.to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
-            max_query_len=max(batch.num_new),
-            max_seq_len=max(seq_lens_cpu),
-            query_lens_cpu=list(batch.num_new),
-            seq_lens_cpu=seq_lens_cpu,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        logits_idx = torch.tensor(last, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), meta, logits_idx
+        """(input ids, positions, attention metadata, logits rows) on the device."""
+        return self.inputs.pack(batch)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> tuple[list[int], dict[str, dict[int, float]]]:

@@ -16,6 +16,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     needs_profile_run = True
+    pin_memory = True
 
     @classmethod
     def probe(cls) -> str | None:
