@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from paged.model.attention import AttentionBackend, AttentionMetadata
 
 

@@ -6,6 +6,7 @@ import os
 from functools import cache
 
 import torch
+
 from paged.platform import Platform
 
 
