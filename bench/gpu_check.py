@@ -123,7 +123,9 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    hf = hf.to(torch.bfloat16)
+    import copy
+
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     toks = {}
     for eager in (False, True):
         llm = LLM(

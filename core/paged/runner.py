@@ -141,7 +141,9 @@ class ModelRunner:
         hidden = self.step_runner.forward(input_ids, positions, meta)
         if logits_idx.numel() == 0:
             return [], {}
-        logits = self.model.compute_logits(hidden[logits_idx])
+        if logits_idx.numel() != hidden.shape[0]:  # pure decode steps need no gather
+            hidden = hidden[logits_idx]
+        logits = self.model.compute_logits(hidden)
         sampling_reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
         want = [r.params.logprobs for r in sampling_reqs]
         logprobs = logits.log_softmax(-1) if any(w is not None for w in want) else None

@@ -15,7 +15,7 @@ from paged.engine.request import Request
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # [N] float32; 0 marks greedy rows
+    temperature: torch.Tensor | None  # [N] float32; 0 marks greedy rows
     top_k: torch.Tensor | None  # [N] int64, vocab size where off
     top_p: torch.Tensor | None  # [N] float32
     min_p: torch.Tensor | None  # [N] float32
@@ -32,6 +32,11 @@ def build_sampling_batch(
 ) -> SamplingBatch:
     ps = [r.params for r in reqs]
     greedy = [p.greedy for p in ps]
+    simple = all(greedy) and not any(
+        p.needs_penalties or p.logit_bias or r.num_output_tokens < p.min_tokens
+        for r, p in zip(reqs, ps))
+    if simple:  # the common greedy case: no tensors to build or copy
+        return SamplingBatch(None, None, None, None, True, {}, None, reqs, [], [])
     temp = torch.tensor(
         [0.0 if g else p.temperature for g, p in zip(greedy, ps)], dtype=torch.float32
     )
