@@ -122,3 +122,27 @@ def test_tokenize_detokenize(http):
     }
     chat = http.post("/tokenize", json={"messages": CHAT}).json()
     assert chat["count"] > t["count"]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=3, temperature=0,
+                                  logprobs=2)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.token_logprobs) == 3
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 2 and chosen <= 0
+        assert abs(chosen - max(top.values())) < 1e-4  # greedy picks the most likely token
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+def test_chat_logprobs_streamed(client):
+    kw = dict(model=None, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+              top_logprobs=3)  # fmt: skip
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(full) == 4 and all(len(e.top_logprobs) == 3 for e in full)
+    assert full[0].bytes == list(full[0].token.encode())
+    chunks = client.chat.completions.create(**kw, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert [e.token for e in streamed] == [e.token for e in full]
+    assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in full]

@@ -87,9 +87,10 @@ def test_disconnect_before_response_aborts(server, http):
 
     body = {"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}
     headers = {"Authorization": "Bearer test-key-123"}
-    before = m(scrape(http), "generation_tokens_total")
+    before = scrape(http)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=1.5)
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=3)
     v = wait_idle(http)
     assert m(v, "num_requests_running") == 0 and m(v, "kv_cache_usage_perc") == 0
-    assert 0 < m(v, "generation_tokens_total") - before < 1000
+    assert m(v, "prompt_tokens_total") > m(before, "prompt_tokens_total")  # it did start
+    assert m(v, "generation_tokens_total") - m(before, "generation_tokens_total") < 1000

@@ -119,6 +119,7 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening
     return task.result()

@@ -52,7 +52,9 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None = None
+    ) -> SamplingParams:
         """SamplingParams of this request; ValueError names the field."""
         bias = None
         if self.logit_bias:
@@ -90,6 +92,7 @@ class SamplingRequest(OpenAIModel):
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
             **set_,
         )
 
@@ -106,7 +109,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -142,7 +145,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
 

@@ -101,9 +101,11 @@ class Serving:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
         return self.tokenizer
 
-    def params(self, req: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    def params(
+        self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None = None
+    ) -> SamplingParams:
         try:
-            p = req.sampling_params(max_tokens)
+            p = req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise bad_request(e) from None
         self.check_ids(p.stop_token_ids or [], "stop_token_ids")

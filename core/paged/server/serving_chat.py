@@ -8,6 +8,7 @@ from typing import Any
 
 from paged.engine.outputs import OutputState
 from paged.server.errors import APIError
+from paged.server.logprobs import Pending, chat_logprobs
 from paged.server.protocol import ChatCompletionRequest
 from paged.server.serving import Prompt, Serving, SSEResponse, api_error, new_id, sse, usage
 
@@ -16,8 +17,8 @@ async def create_chat_completion(
     sv: Serving, req: ChatCompletionRequest
 ) -> dict[str, Any] | SSEResponse:
     sv.check_model(req.model)
-    if req.logprobs or req.top_logprobs is not None:
-        raise APIError(400, "logprobs: not supported yet", "logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(400, "response_format: not supported yet", "response_format")
     both = req.max_tokens is not None and req.max_completion_tokens is not None
@@ -25,7 +26,7 @@ async def create_chat_completion(
         msg = "max_completion_tokens: give max_tokens or max_completion_tokens, not both"
         raise APIError(400, msg, "max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    params = sv.params(req, max_tokens)
+    params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     text, ids = sv.render_chat(req.messages, req.add_generation_prompt)
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
@@ -50,11 +51,14 @@ async def _full(
                 cached = u.output.num_cached_tokens
     except Exception as e:
         raise api_error(e) from None
+    k = req.top_logprobs or 0
     choices = [
         {
             "index": i,
             "message": {"role": "assistant", "content": st.out.text},
-            "logprobs": None,
+            "logprobs": chat_logprobs(sv.tokenizer, k, st.out.token_ids, st.out.logprobs or [])
+            if req.logprobs
+            else None,
             "finish_reason": st.out.finish_reason,
             "stop_reason": st.out.stop_reason,
         }
@@ -74,8 +78,13 @@ async def _stream(
     with_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if with_usage else {}
 
+    pending = Pending()
+
     def chunk(index: int, delta: dict[str, Any], reason: str | None = None, stop: Any = None):
-        c = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(sv.tokenizer, req.top_logprobs or 0, *pending.take(index))
+        c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         if reason is not None:
             c["stop_reason"] = stop
         return sse(head | {"choices": [c]} | extra)
@@ -85,9 +94,11 @@ async def _stream(
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for _, u in sv.generate(rid, [prompt]):
-            completion += len(u.output.new_token_ids)
+            eo = u.output
+            completion += len(eo.new_token_ids)
             if u.index == 0:
-                cached = u.output.num_cached_tokens
+                cached = eo.num_cached_tokens
+            pending.add(u.index, eo.new_token_ids, eo.logprobs)
             delta, out = u.state.text_delta(), u.state.out
             if u.state.finished:
                 body = {"content": delta} if delta else {}

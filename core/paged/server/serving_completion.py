@@ -8,6 +8,7 @@ from typing import Any
 
 from paged.engine.outputs import OutputState
 from paged.server.errors import APIError
+from paged.server.logprobs import CompletionLogprobs, Pending
 from paged.server.protocol import CompletionRequest
 from paged.server.serving import (
     Prompt,
@@ -28,13 +29,13 @@ def _not_supported(field: str) -> APIError:
 
 async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, Any] | SSEResponse:
     sv.check_model(req.model)
-    if req.logprobs is not None:
-        raise _not_supported("logprobs")
+    if req.logprobs is not None and req.echo:
+        raise _not_supported("echo")  # with logprobs: that needs prompt logprobs
     if req.best_of is not None and req.best_of != req.n:
         raise _not_supported("best_of")
     if req.suffix:
         raise _not_supported("suffix")
-    params = sv.params(req, req.max_tokens)
+    params = sv.params(req, req.max_tokens, req.logprobs)
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
@@ -85,11 +86,15 @@ async def _full(
         echo = _prompt_text(sv, p) if req.echo else ""
         for i in range(n):
             out = states[(k, i)].out
+            lps = None
+            if req.logprobs is not None:
+                lps = CompletionLogprobs(sv.tokenizer, req.logprobs)
+                lps = lps.make(out.token_ids, out.logprobs or [])
             choices.append(
                 {
                     "index": k * n + i,
                     "text": echo + out.text,
-                    "logprobs": None,
+                    "logprobs": lps,
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
                 }
@@ -109,27 +114,36 @@ async def _stream(
     with_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if with_usage else {}
 
+    num_lps = req.logprobs
+    lps = {i: CompletionLogprobs(sv.tokenizer, num_lps or 0) for i in range(n * len(prompts))}
+    pending = Pending()
+
     def chunk(index: int, text: str, reason: str | None = None, stop: Any = None) -> str:
-        c = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        lp = None
+        if num_lps is not None:
+            lp = lps[index].make(*pending.take(index))
+        c = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         c["stop_reason"] = stop
         return sse(head | {"choices": [c]} | extra)
 
     completion, cached = 0, [0] * len(prompts)
     try:
         if req.echo:
-            for k, p in enumerate(prompts):
-                text = _prompt_text(sv, p)
+            for j, prompt in enumerate(prompts):
+                text = _prompt_text(sv, prompt)
                 for i in range(n):
-                    yield chunk(k * n + i, text)
-        async for k, u in sv.generate(rid, prompts):
-            completion += len(u.output.new_token_ids)
+                    yield chunk(j * n + i, text)
+        async for p, u in sv.generate(rid, prompts):
+            eo, index = u.output, p * n + u.index
+            completion += len(eo.new_token_ids)
             if u.index == 0:
-                cached[k] = u.output.num_cached_tokens
+                cached[p] = eo.num_cached_tokens
+            pending.add(index, eo.new_token_ids, eo.logprobs)
             delta, out = u.state.text_delta(), u.state.out
             if u.state.finished:
-                yield chunk(k * n + u.index, delta, out.finish_reason, out.stop_reason)
+                yield chunk(index, delta, out.finish_reason, out.stop_reason)
             elif delta:
-                yield chunk(k * n + u.index, delta)
+                yield chunk(index, delta)
         if with_usage:
             prompt_tokens = sum(len(p.ids) for p in prompts)
             yield sse(

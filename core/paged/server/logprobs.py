@@ -1,0 +1,76 @@
+"""Logprobs in OpenAI's two shapes: completions (legacy lists) and chat (`content` entries).
+
+The engine gives one {token id: logprob} per generated token: the sampled token plus the
+top-n of the raw distribution. -inf is clamped to -9999.0, as JSON has no infinities.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLOOR = -9999.0
+
+
+def _text(tok: Any, token_id: int) -> str:
+    return tok.decode([token_id]) if tok is not None else str(token_id)
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _lp(value: float | None) -> float:
+    return FLOOR if value is None or value < FLOOR else value
+
+
+class CompletionLogprobs:
+    """Accumulates {tokens, token_logprobs, top_logprobs, text_offset} of one choice."""
+
+    def __init__(self, tok: Any, k: int, offset: int = 0) -> None:
+        self.tok, self.k, self.offset = tok, k, offset
+
+    def make(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        out["text_offset"] = []
+        for tid, entry in zip(token_ids, entries):
+            s = _text(self.tok, tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(_lp(entry.get(tid)))
+            top = {_text(self.tok, t): _lp(v) for t, v in _top(entry, self.k)}
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+def chat_logprobs(
+    tok: Any, k: int, token_ids: list[int], entries: list[dict[int, float]]
+) -> dict[str, Any]:
+    """{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}"""
+
+    def item(tid: int, value: float | None) -> dict[str, Any]:
+        s = _text(tok, tid)
+        return {"token": s, "logprob": _lp(value), "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        e = item(tid, entry.get(tid))
+        e["top_logprobs"] = [item(t, v) for t, v in _top(entry, k)]
+        content.append(e)
+    return {"content": content}
+
+
+class Pending:
+    """Per choice, the (token ids, logprob entries) generated but not streamed yet."""
+
+    def __init__(self) -> None:
+        self.items: dict[int, tuple[list[int], list[dict[int, float]]]] = {}
+
+    def add(self, index: int, token_ids: list[int], entries: list | None) -> None:
+        if entries:
+            ids, lps = self.items.setdefault(index, ([], []))
+            ids.extend(token_ids)
+            lps.extend(entries)
+
+    def take(self, index: int) -> tuple[list[int], list[dict[int, float]]]:
+        return self.items.pop(index, ([], []))
