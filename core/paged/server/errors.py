@@ -117,7 +117,7 @@ def install_handlers(app: FastAPI) -> None:
     async def _http(_: Request, e: HTTPException) -> JSONResponse:
         msg = e.detail if isinstance(e.detail, str) else "request failed"
         if e.status_code == 400:  # FastAPI's body parse failures (e.g. nesting too deep)
-            msg = f"body: {msg}"
+            return error_response(APIError(400, f"body: {msg}", "body"))
         return error_response(APIError(e.status_code, msg))
 
     @app.exception_handler(Exception)
