@@ -135,6 +135,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
     )
 
     loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []  # keeps the drain task referenced
 
     async def drain() -> None:
         state.draining = True
@@ -151,7 +152,6 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
         loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain())))
         return True
 
-    tasks: list[asyncio.Task] = []
     server = _make_server(uv, on_signal)
     engine.on_dead = lambda: setattr(server, "should_exit", True)
     log.info("starting the engine for %s (%s)", name, "API key required" if api_key else "open")
