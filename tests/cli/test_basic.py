@@ -26,7 +26,10 @@ def test_platforms_shows_cpu_available(cli, monkeypatch):
     rc, out, _ = cli("platforms", "--json")
     data = json.loads(out)
     assert data["selected"] == "cpu"
-    assert {"name": "cpu", "available": True}.items() <= data["platforms"][0].items()
+    rows = {row["name"]: row for row in data["platforms"]}
+    assert rows["cpu"]["available"] is True
+    if "cuda" in rows:  # the cuda plugin is installed too: listed, refused with a reason
+        assert rows["cuda"]["available"] is False and rows["cuda"]["reason"]
 
 
 def test_platforms_honours_forcing(cli, monkeypatch):
