@@ -15,16 +15,27 @@ from paged.model import ops
 from paged.model.attention import AttentionBackend, AttentionMetadata
 
 
-def rope_cache(hf_config, max_len: int) -> torch.Tensor:
-    """[max_len, head_dim] float32: cos in the first half, sin in the second (HF's math)."""
+def rope_params(hf_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) exactly as HF computes them; HF's own init functions
+    for scaled variants (llama3, yarn, ...), the plain formula inline (a lighter import)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if rope_type == "default":
+        base = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = head_dim_of(hf_config)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     with torch.device("cpu"):
         rot = LlamaRotaryEmbedding(hf_config)
-    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * rot.inv_freq.float()
-    return torch.cat(
-        (freqs.cos() * rot.attention_scaling, freqs.sin() * rot.attention_scaling), dim=-1
-    )
+    return rot.inv_freq.float(), rot.attention_scaling
+
+
+def rope_cache(hf_config, max_len: int) -> torch.Tensor:
+    """[max_len, head_dim] float32: cos in the first half, sin in the second (HF's math)."""
+    inv_freq, scaling = rope_params(hf_config)
+    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
 class RMSNorm(nn.Module):

@@ -1,9 +1,9 @@
 """Find a model and load its config, tokenizer and weights: HF safetensors dirs and GGUF files.
 
 Nothing here downloads: a model is a local directory (config.json + *.safetensors) or a .gguf
-file. GGUF metadata is slow to parse, so the tokenizer and config converted from a GGUF file
-are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in tokenizers/<key> and
-configs/<key>, keyed by the file's name, size and mtime.
+file. GGUF metadata is slow to parse, so the tokenizer, config and dequantized weights converted
+from a GGUF file are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in
+tokenizers/<key>, configs/<key> and weights/<key>, keyed by the file's name, size and mtime.
 """
 
 from __future__ import annotations
@@ -151,8 +151,26 @@ def iter_weights(
 
         return iter_safetensors(src.path, progress)
     from paged.model.gguf_loader import iter_gguf
+    from paged.model.hf_loader import iter_safetensors
 
-    return iter_gguf(src.path, config, progress)
+    # Dequantizing is slow (metadata parse + numpy): keep the float32 result as safetensors.
+    obj = _cached(
+        "weights",
+        src.path,
+        load=lambda d: iter_safetensors(d, progress),
+        build=lambda: _Tensors(iter_gguf(src.path, config, progress)),
+    )
+    return iter(obj.items()) if isinstance(obj, _Tensors) else obj
+
+
+class _Tensors(dict):
+    """Dequantized weights, saved to the cache like a transformers object would be."""
+
+    def save_pretrained(self, directory: str) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in self.items()},
+                  os.path.join(directory, "model.safetensors"))
 
 
 def _gguf_tokenizer(path: str) -> Any:

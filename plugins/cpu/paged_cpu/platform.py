@@ -55,7 +55,7 @@ class CpuPlatform(Platform):
         if config.kv_cache_memory is not None:
             return config.kv_cache_memory
         free, _ = self.memory()
-        return min(1 << 30, free // 8)  # host RAM is shared with everything else
+        return min(512 << 20, free // 8)  # host RAM is shared with everything else
 
     def attention_backend(self):
         from paged_cpu.attention import CpuAttentionBackend
