@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 from paged.cli.bench_common import print_metrics, save_json, stats
 
-# name -> fn(args, prompts, output_len) -> seconds to generate output_len tokens for every
-# prompt (ignore_eos). Registered by whoever adds a baseline (e.g. "hf").
-Baseline = Callable[[argparse.Namespace, list[list[int]], int], float]
+# name -> fn(args, prompts, output_len, llm, metrics) -> seconds to generate output_len tokens
+# for every prompt (ignore_eos), or a dict of figures merged into the results (the baseline
+# printed its own comparison; it may release llm's engine). Registered by whoever adds a
+# baseline (e.g. "hf", in bench_hf).
+Baseline = Callable[..., float | dict]
 BASELINES: dict[str, Baseline] = {}
 
 
@@ -52,6 +54,9 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         )
         p.add_argument("--save-json", default=None, help="write all figures and the command")
         p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+        from paged.cli import bench_hf  # registers --baseline hf (imports nothing heavy)
+
+        bench_hf.add_args(p, name)
         p.set_defaults(func=run_throughput if name == "throughput" else run_latency)
 
 
@@ -79,14 +84,16 @@ def _params(output_len: int):
     return SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
 
 
-def _baseline(args: argparse.Namespace, prompts: list[list[int]]) -> float | None:
+def _baseline(
+    args: argparse.Namespace, prompts: list[list[int]], llm, m: dict
+) -> float | dict | None:
     if not args.baseline:
         return None
     fn = BASELINES.get(args.baseline)
     if fn is None:
         known = ", ".join(BASELINES) or "none registered"
         raise ValueError(f"--baseline: no baseline named {args.baseline!r} ({known})")
-    return fn(args, prompts, args.output_len)
+    return fn(args, prompts, args.output_len, llm, m)
 
 
 def _setup(args: argparse.Namespace) -> str:
@@ -124,8 +131,10 @@ def run_throughput(args: argparse.Namespace) -> int:
         ("Output token throughput (tok/s)", "output_tokens_per_s"),
         ("Total token throughput (tok/s)", "total_tokens_per_s"),
     ]
-    base = _baseline(args, prompts)
-    if base is not None:
+    base = _baseline(args, prompts, llm, m)
+    if isinstance(base, dict):
+        m |= base
+    elif base is not None:
         m |= {
             "baseline": args.baseline,
             "baseline_elapsed_s": base,
@@ -188,8 +197,10 @@ def run_latency(args: argparse.Namespace) -> int:
         ("Iterations", "num_iters"),
         ("Decode throughput (tok/s)", "decode_tokens_per_s"),
     ]
-    base = _baseline(args, prompts)
-    if base is not None:
+    base = _baseline(args, prompts, llm, m)
+    if isinstance(base, dict):
+        m |= base
+    elif base is not None:
         m |= {
             "baseline": args.baseline,
             "baseline_e2el_ms": base * 1000,
