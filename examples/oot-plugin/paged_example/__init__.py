@@ -1,0 +1,1 @@
+"""paged-example-plugin: a minimal out-of-tree platform plugin for paged."""

@@ -1,0 +1,1 @@
+"""paged-rocm: the AMD ROCm (HIP) platform plugin for paged."""

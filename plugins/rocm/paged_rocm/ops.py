@@ -1,0 +1,34 @@
+"""Fused Triton ops from `paged.kernels` replacing the torch defaults of `paged.model.ops`.
+
+The elementwise kernels use 4-16 warps (<= 1024 lanes with 64-lane wavefronts, the HIP
+work-group limit) and no shared-memory tiles, so they run unchanged on ROCm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _rotary_prepare(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
+    return positions, cos_sin_cache  # the kernel gathers cos/sin per token itself
+
+
+def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
+    from paged.kernels import rotary_embedding
+
+    pos, cache = rope
+    return rotary_embedding(pos, q, k, cache, q.shape[-1])
+
+
+def fused_ops() -> dict[str, Callable]:
+    from paged import kernels
+
+    return {
+        "rms_norm": kernels.rms_norm,
+        "fused_add_rms_norm": kernels.fused_add_rms_norm,
+        "rotary_prepare": _rotary_prepare,
+        "rotary_embedding": _rotary_embedding,
+        "silu_and_mul": kernels.silu_and_mul,
+    }

@@ -1,0 +1,1 @@
+"""paged-xpu: the Intel GPU (XPU) platform plugin for paged."""

@@ -1,0 +1,151 @@
+"""The XPU platform: Intel GPUs through `torch.xpu`; IPEX paged attention when usable, else
+the portable Triton kernels; XPU graphs where this torch has them; XCCL (or oneCCL)."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Callable
+from importlib.util import find_spec
+
+import torch
+
+from paged.platform import Platform
+
+log = logging.getLogger("paged")
+MASK_VARS = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
+
+
+def visibility_hint() -> str:
+    for var in MASK_VARS:
+        if var in os.environ and os.environ[var].strip() in ("", "-1"):
+            return f"{var}={os.environ[var]!r} hides every device"
+    nodes = glob.glob("/dev/dri/renderD*")
+    if nodes and not any(os.access(n, os.R_OK | os.W_OK) for n in nodes):
+        return "/dev/dri/renderD* is not accessible (add the user to the render group)"
+    return "Level Zero GPU driver missing, or every device masked"
+
+
+def choose_dist_backend() -> str:
+    """The collective backend: XCCL when this torch has it built in (2.8+ XPU builds), else
+    oneCCL's "ccl" where its bindings are installed (`import oneccl_bindings_for_pytorch`
+    registers it before `init_process_group`), else "xccl" to fail there with torch's error."""
+    import torch.distributed as dist
+
+    if dist.is_available() and getattr(dist, "is_xccl_available", lambda: False)():
+        return "xccl"
+    if find_spec("oneccl_bindings_for_pytorch") is not None:
+        return "ccl"
+    return "xccl"
+
+
+class XpuPlatform(Platform):
+    name = "xpu"
+    device_type = "xpu"
+    priority = 90  # below cuda/rocm (a torch build has one GPU backend), above cpu
+    dist_backend = "xccl"
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    needs_profile_run = True
+    pin_memory = True
+
+    def __init__(self) -> None:
+        self.dist_backend = choose_dist_backend()
+        self.attention: tuple[type, str] | None = None  # (class, why), set by check_config
+
+    @classmethod
+    def probe(cls) -> str | None:
+        xpu = getattr(torch, "xpu", None)
+        if xpu is None:
+            return "this torch has no torch.xpu module"
+        if not getattr(xpu, "_is_compiled", lambda: True)():
+            return "this torch is not an XPU build (torch.xpu is compiled out)"
+        if not xpu.is_available():
+            return f"no Intel GPU visible ({visibility_hint()})"
+        if find_spec("intel_extension_for_pytorch") is None and find_spec("triton") is None:
+            return "no attention kernels: install pytorch-triton-xpu or intel-extension-for-pytorch"
+        return None
+
+    def memory(self) -> tuple[int, int]:
+        if hasattr(torch.xpu, "mem_get_info"):
+            return torch.xpu.mem_get_info()
+        total = torch.xpu.get_device_properties(0).total_memory
+        return total - torch.xpu.memory_reserved(), total
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if torch.xpu.is_bf16_supported() else torch.float16
+
+    def check_config(self, config) -> None:
+        super().check_config(config)
+        dtype = config.torch_dtype
+        if dtype == torch.bfloat16 and not torch.xpu.is_bf16_supported():
+            raise ValueError(f"dtype bfloat16 is not supported on {self._device_name()}")
+        if config.block_size < 16:
+            raise ValueError("block_size: the attention kernels need at least 16 tokens a block")
+        from paged_xpu.attention import choose_attention
+
+        self.attention = choose_attention(dtype)  # raises when no path can serve the dtype
+        log.info("XPU attention: %s", self.attention[1])
+
+    def kv_cache_budget(self, config) -> int:
+        """After the profiling forward: what is left under gpu_memory_utilization."""
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        free, total = self.memory()
+        outside_torch = max(0, total - free - torch.xpu.memory_reserved())
+        peak = torch.xpu.max_memory_allocated()
+        return max(0, int(total * config.gpu_memory_utilization) - peak - outside_torch)
+
+    def attention_backend(self):
+        if self.attention is None:  # check_config not called: decide for the default dtype
+            from paged_xpu.attention import choose_attention
+
+            self.attention = choose_attention(self.default_dtype())
+        return self.attention[0]
+
+    def step_runner(self):
+        if not hasattr(torch.xpu, "XPUGraph"):
+            return super().step_runner()  # eager: this torch has no XPU graphs
+        from paged_xpu.graphs import XpuGraphStepRunner
+
+        return XpuGraphStepRunner
+
+    def ops(self) -> dict[str, Callable]:
+        from paged_xpu.ops import fused_ops
+
+        return fused_ops()
+
+    def synchronize(self) -> None:
+        torch.xpu.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.xpu.empty_cache()
+
+    def reset_peak_memory(self) -> None:
+        torch.xpu.synchronize()
+        torch.xpu.reset_peak_memory_stats()
+
+    def _device_name(self) -> str:
+        return torch.xpu.get_device_properties(0).name
+
+    def describe(self) -> dict[str, str]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        props = torch.xpu.get_device_properties(0)
+        facts = {
+            "device": props.name,
+            "count": str(torch.xpu.device_count()),
+            "memory_gib": f"{props.total_memory / 2**30:.1f}",
+            "driver": str(getattr(props, "driver_version", "?")),
+            "xmx": str(getattr(props, "has_subgroup_matrix_multiply_accumulate", "?")),
+            "graphs": str(hasattr(torch.xpu, "XPUGraph")),
+            "dist_backend": self.dist_backend,
+        }
+        for dist in ("intel-extension-for-pytorch", "pytorch-triton-xpu"):
+            try:
+                facts[dist] = version(dist)
+            except PackageNotFoundError:
+                facts[dist] = "missing"
+        if self.attention is not None:
+            facts["attention"] = self.attention[1]
+        return facts
