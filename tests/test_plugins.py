@@ -62,11 +62,12 @@ def test_plugin_is_discovered_and_can_be_forced(tmp_path):
     from paged.plugins import probe_platforms, select_platform
     rows = {r.name: r for r in probe_platforms()}
     print(sorted(rows), rows["broken"].reason)
+    print("has", {"broken", "cpu", "toy"} <= set(rows))
     print("chosen", select_platform().name)
     """
     r = run_py(code, env)
     assert r.returncode == 0, r.stderr
-    assert "'broken', 'cpu', 'toy'" in r.stdout and "no broken device here" in r.stdout
+    assert "has True" in r.stdout and "no broken device here" in r.stdout
     assert "chosen cpu" in r.stdout  # highest-priority available
     r = run_py(code, {**env, "PAGED_PLATFORM": "toy"})
     assert "chosen toy" in r.stdout, r.stderr

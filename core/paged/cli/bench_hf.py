@@ -130,16 +130,20 @@ def release_engine(llm) -> None:
         layer.self_attn.kv_cache = None
     eng.runner.kv_caches = []
     llm.engine = None
+    platform = eng.platform
     del eng
-    _free()
+    gc.collect()
+    platform.empty_cache()
 
 
-def _free() -> None:
+def _free(device) -> None:
+    """Collect garbage and return cached device memory (the device module's own call)."""
     import torch
 
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    mod = getattr(torch, device.type, None)
+    if device.type != "cpu" and mod is not None and hasattr(mod, "empty_cache"):
+        mod.empty_cache()
 
 
 def _sync(device) -> None:
@@ -269,7 +273,7 @@ def _cleanup(model) -> None:
     for attr in ("_cache", "_compiled_call"):
         if hasattr(model, attr):
             delattr(model, attr)
-    _free()
+    _free(next(model.parameters()).device)
 
 
 # ---- throughput ---------------------------------------------------------------------
