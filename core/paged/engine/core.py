@@ -85,6 +85,9 @@ class EngineCore:
         self.num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(self.num_blocks)
         self.runner.step_runner.capture()
+        from paged.engine.faults import install_test_faults
+
+        install_test_faults(self.runner)  # no-op unless a PAGED_TEST_* variable is set
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len

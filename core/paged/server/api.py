@@ -30,6 +30,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="require 'Authorization: Bearer KEY' on the API (also PAGED_API_KEY)",
     )
+    g.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="with an API key, /metrics needs it too (/health stays open for probes)",
+    )
     g.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default: info)")
     g.add_argument(
         "--max-request-body",
@@ -125,6 +130,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
     engine.observer = metrics
     state = ServerState(Serving(engine, name, chat_template), metrics, api_key)
     state.max_body = args.max_request_body
+    state.metrics_require_key = args.metrics_require_key
     uv = uvicorn.Config(
         build_app(state),
         host=args.host,

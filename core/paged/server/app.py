@@ -35,6 +35,7 @@ class ServerState:
     max_body: int = 8 << 20
     draining: bool = False  # after SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0  # requests inside the app (not counting the open paths)
+    metrics_require_key: bool = False  # /metrics behind the API key too
 
 
 def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -52,19 +53,28 @@ class Guard:
 
     def _check(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
         if path in OPEN_PATHS:
+            if path == "/metrics" and self.state.metrics_require_key:
+                return self._auth(headers)
             return None
         if self.state.draining:
             return _refuse(503, "the server is shutting down")
-        if self.expect is not None and not secrets.compare_digest(
-            headers.get(b"authorization", b""), self.expect
-        ):
-            msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
-            return _refuse(401, msg, code="invalid_api_key")
+        refusal = self._auth(headers)
+        if refusal is not None:
+            return refusal
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             declared = 0
         return self._too_big() if declared > self.state.max_body else None
+
+    def _auth(self, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        """401 unless the key matches (constant time) or none is set."""
+        if self.expect is None or secrets.compare_digest(
+            headers.get(b"authorization", b""), self.expect
+        ):
+            return None
+        msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+        return _refuse(401, msg, code="invalid_api_key")
 
     def _too_big(self) -> JSONResponse:
         msg = f"body: the request body exceeds {self.state.max_body} bytes"

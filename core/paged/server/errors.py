@@ -22,6 +22,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -101,7 +102,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = msg.removeprefix("Value error, ")
         if msg not in msgs:
             msgs.append(msg)
+    if param == "body" and len(msgs) == 1 and _FIELD.match(msgs[0]):  # a model validator's
+        return bad_request(ValueError(msgs[0]))  # message that names its own field
     return APIError(400, f"{param}: {'; or '.join(msgs[:4])}", param=param)
+
+
+def _is_json(content_type: str) -> bool:
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or mime.endswith("+json")
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -110,7 +118,11 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and not _is_json(ctype):  # FastAPI did not parse it
+            msg = f"body: send JSON with 'Content-Type: application/json', not {ctype[:60]!r}"
+            return error_response(APIError(415, msg, "body"))
         return error_response(validation_error(e))
 
     @app.exception_handler(HTTPException)

@@ -15,6 +15,7 @@ from paged.sampling.params import SamplingParams
 MAX_N = 128  # sequences per prompt
 MAX_LIST = 1024  # stop_token_ids, logit_bias entries
 MAX_STOP = 64  # stop strings
+MAX_TOP_K = 2**31 - 1  # larger values would overflow the sampler's int64 tensors
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
 
@@ -24,18 +25,46 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def check_unicode(value: Any, path: str = "") -> None:
+    """Raise ValueError naming the field of a string holding a lone surrogate: JSON escapes
+    (\\ud800) can carry one, and neither tokenizers nor response encoders accept it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'body'}: invalid Unicode (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, path or "body")
+            check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if not isinstance(v, int | float | bool):
+                check_unicode(v, f"{path}[{i}]")
+
+
+class RequestBody(OpenAIModel):
+    """A top-level request body: every string in it must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """The fields completions and chat share."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=MAX_TOP_K)
     min_p: float | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -150,8 +179,11 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
 
 
-class TokenizeRequest(OpenAIModel):
-    """vLLM's /tokenize: either `prompt` or chat `messages`."""
+class TokenizeRequest(RequestBody):
+    """vLLM's /tokenize: either `prompt` or chat `messages`. Our own route: unknown fields
+    are refused (a typo gets a 400 rather than a silent default)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     prompt: str | None = None
@@ -167,6 +199,7 @@ class TokenizeRequest(OpenAIModel):
         return self
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=10_000_000)]

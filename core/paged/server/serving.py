@@ -134,7 +134,10 @@ class Serving:
             )
             raise APIError(400, msg, "max_tokens", code)
         if want is None:
-            params = dataclasses.replace(params, max_tokens=limit - n)
+            try:  # validates again: min_tokens may now exceed max_tokens
+                params = dataclasses.replace(params, max_tokens=limit - n)
+            except ValueError as e:
+                raise bad_request(e) from None
         return Prompt(text, ids, params)
 
     # ---- chat templates ----------------------------------------------------------------
