@@ -1,0 +1,43 @@
+"""Test-only fault injection into the engine core, switched on by environment variables.
+
+    PAGED_TEST_FAULT_TOKEN=ID      a step whose batch holds a request with token ID in its
+                                   prompt raises (the step's requests fail, the engine lives)
+    PAGED_TEST_STEP_DELAY=SECONDS  every step sleeps first (holds requests in flight)
+
+Read once when the EngineCore starts. Unset (the default), nothing is wrapped and the step
+path is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+log = logging.getLogger("paged")
+
+
+class InjectedFault(RuntimeError):
+    """The exception an injected step failure raises."""
+
+
+def install_test_faults(runner: Any) -> None:
+    """Wrap runner.execute when a PAGED_TEST_* variable asks for a fault."""
+    token = os.environ.get("PAGED_TEST_FAULT_TOKEN")
+    delay = float(os.environ.get("PAGED_TEST_STEP_DELAY") or 0)
+    if token is None and delay <= 0:
+        return
+    poison = int(token) if token is not None else None
+    log.warning("TEST FAULT INJECTION ON: fault token %s, step delay %.3f s", poison, delay)
+    execute = runner.execute
+
+    def execute_with_faults(batch: Any) -> Any:
+        if delay > 0:
+            time.sleep(delay)
+        if poison is not None and any(poison in r.prompt_token_ids for r in batch.reqs):
+            # The path is there to check that clients never see it.
+            raise InjectedFault(f"injected step failure (token {poison}) in {__file__}")
+        return execute(batch)
+
+    runner.execute = execute_with_faults
