@@ -4,7 +4,9 @@ from __future__ import annotations
 
 
 def test_chat_quick(cli, server_url):
-    rc, out, err = cli("chat", "--url", server_url, "--quick", "hello", "--max-tokens", "5")
+    rc, out, err = cli(
+        "chat", "--url", server_url, "--quick", "hello", "--max-tokens", "8", "--temperature", "0"
+    )
     assert rc == 0, err
     assert out.endswith("\n") and len(out) > 1  # a streamed reply, then a newline
 
