@@ -18,7 +18,7 @@ from paged.model.attention import AttentionBackend, AttentionMetadata
 @dataclass
 class CpuPlan:
     decode_table: torch.Tensor | None  # [num_decodes, blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size]: True = pad
     decode_len: int
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     # (token start, token end, context length, block ids or None, mask or None)
@@ -35,7 +35,7 @@ class CpuAttentionBackend(AttentionBackend):
             dlen = nblocks * bs
             table = meta.block_tables[:nd, :nblocks].long()
             pos = torch.arange(dlen)
-            mask = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, dlen)
+            mask = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, dlen)
         prefills = []
         start = sum(meta.query_lens_cpu[:nd])
         for i in range(nd, meta.num_reqs):
@@ -67,18 +67,14 @@ class CpuAttentionBackend(AttentionBackend):
         v_cache.view(-1, h, d).index_copy_(0, slots, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:
-            kd = k_cache[plan.decode_table].view(nd, plan.decode_len, h, d).transpose(1, 2)
-            vd = v_cache[plan.decode_table].view(nd, plan.decode_len, h, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),
-                kd,
-                vd,
-                attn_mask=plan.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[:nd] = o.squeeze(2)
+        if nd:  # one batched matmul pair: SDPA's kernels are slow for single-token queries
+            n, group = plan.decode_len, self.num_heads // h
+            kd = k_cache[plan.decode_table].view(nd, n, h, d).permute(0, 2, 3, 1)
+            vd = v_cache[plan.decode_table].view(nd, n, h, d).transpose(1, 2)
+            scores = torch.matmul(q[:nd].view(nd, h, group, d), kd).float() * self.scale
+            scores.masked_fill_(plan.decode_mask, float("-inf"))
+            probs = scores.softmax(-1).to(q.dtype)
+            out[:nd] = torch.matmul(probs, vd).view(nd, h * group, d)
         for s, e, seq, blocks, mask in plan.prefills:
             qi = q[s:e].transpose(0, 1)
             if blocks is None:
