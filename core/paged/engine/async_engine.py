@@ -237,7 +237,10 @@ class AsyncEngine:
                 self._die(f"engine start-up failed: {msg[0]}")
 
     def _send(self, *msg: Any) -> None:
-        self._push.send(pickle.dumps(msg, 5))
+        try:  # never block the event loop: with no core connected (gone), there is no one to tell
+            self._push.send(pickle.dumps(msg, 5), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     # ---- requests --------------------------------------------------------------------
     async def generate(

@@ -2,7 +2,8 @@
 
     PAGED_TEST_FAULT_TOKEN=ID      a step whose batch holds a request with token ID in its
                                    prompt raises (the step's requests fail, the engine lives)
-    PAGED_TEST_STEP_DELAY=SECONDS  every step sleeps first (holds requests in flight)
+    PAGED_TEST_STEP_DELAY=SECONDS  steps sleep first (to hold requests in flight): every step,
+    PAGED_TEST_SLOW_TOKEN=ID       or only those whose batch holds a prompt with token ID
 
 Read once when the EngineCore starts. Unset (the default), nothing is wrapped and the step
 path is untouched.
@@ -29,13 +30,23 @@ def install_test_faults(runner: Any) -> None:
     if token is None and delay <= 0:
         return
     poison = int(token) if token is not None else None
-    log.warning("TEST FAULT INJECTION ON: fault token %s, step delay %.3f s", poison, delay)
+    slow = os.environ.get("PAGED_TEST_SLOW_TOKEN")
+    slow_id = int(slow) if slow else None
+    log.warning(
+        "TEST FAULT INJECTION ON: fault token %s, step delay %.3f s (slow token %s)",
+        poison,
+        delay,
+        slow_id,
+    )
     execute = runner.execute
 
+    def has(tok: int | None, batch: Any) -> bool:
+        return tok is not None and any(tok in r.prompt_token_ids for r in batch.reqs)
+
     def execute_with_faults(batch: Any) -> Any:
-        if delay > 0:
+        if delay > 0 and (slow_id is None or has(slow_id, batch)):
             time.sleep(delay)
-        if poison is not None and any(poison in r.prompt_token_ids for r in batch.reqs):
+        if has(poison, batch):
             # The path is there to check that clients never see it.
             raise InjectedFault(f"injected step failure (token {poison}) in {__file__}")
         return execute(batch)

@@ -78,7 +78,8 @@ def resolve_model(model: str | None) -> ModelSource:
             raise ModelLoadError(f"model directory {_show(model)} has no config.json{hint}")
         from paged.model.hf_loader import safetensors_files
 
-        safetensors_files(path)  # fail now, not after building the engine, if no weights
+        for f in safetensors_files(path):  # fail now, not after building the engine
+            _check_safetensors(f, name)
         return ModelSource(path, "hf", name)
     if os.path.isfile(path):
         if not path.lower().endswith(".gguf"):
@@ -96,6 +97,20 @@ def resolve_model(model: str | None) -> ModelSource:
         "*.safetensors, or a .gguf file (paged never downloads from the Hugging Face Hub; "
         "fetch the model first, e.g. `hf download ORG/NAME --local-dir DIR`)"
     )
+
+
+def _check_safetensors(path: str, model: str) -> None:
+    """Read a weight file's header: a corrupt or truncated file fails here, early and clearly."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt"):
+            pass
+    except Exception as e:
+        raise ModelLoadError(
+            f"weight file {_show(os.path.basename(path))} of model {_show(model)} is corrupt or "
+            f"truncated ({str(e)[:200]})"
+        ) from e
 
 
 def load_config(src: ModelSource) -> PretrainedConfig:

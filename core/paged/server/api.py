@@ -136,7 +136,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=5,  # after our own drain (see on_signal)
+        timeout_graceful_shutdown=1,  # after our own drain (see on_signal): then cut
         lifespan="off",
     )
 

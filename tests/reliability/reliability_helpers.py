@@ -1,0 +1,75 @@
+"""Helpers the reliability tests share (imported by name: pytest puts this folder on sys.path).
+
+Server helpers (start_server, stop_server, Server) come from tests/server/conftest.py, loaded
+by path so that the test folders need no package layout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+_spec = importlib.util.spec_from_file_location(
+    "paged_server_test_helpers", Path(__file__).parent.parent / "server" / "conftest.py"
+)
+helpers = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = helpers  # dataclasses look their module up by name
+_spec.loader.exec_module(helpers)
+Server, start_server, stop_server = helpers.Server, helpers.start_server, helpers.stop_server
+
+API_KEY = "reliability-key-42"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TINY_ARGS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB", "--dtype", "float32"]
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.-]+){2,}")  # /tmp/x, /usr/lib/python3/...
+
+
+def check_error(r: httpx.Response, status: int | tuple[int, ...]) -> dict[str, Any]:
+    """The response is an OpenAI-shaped error with one of `status`; returns its body."""
+    want = (status,) if isinstance(status, int) else status
+    assert r.status_code in want, (r.status_code, r.text[:500])
+    e = r.json()["error"]
+    assert set(e) >= {"message", "type", "param", "code"}, e
+    assert isinstance(e["message"], str) and e["message"], e
+    assert_no_leak(e["message"])
+    return e
+
+
+def assert_no_leak(text: str) -> None:
+    """No filesystem paths or stack traces in what a client sees."""
+    assert "Traceback" not in text and 'File "' not in text, text[:500]
+    assert not _PATH.search(text), text[:500]
+
+
+def make_tiny_model(path: Path) -> str:
+    """A 2-layer random Llama with the default model's tokenizer (and chat template)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.model.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(None))
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights: logits far from ties, so greedy is stable
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return str(path)
+
+
+def metric(text: str, name: str) -> float:
+    """The value of a (single-series) Prometheus metric in /metrics text."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
