@@ -111,6 +111,10 @@ def paged_attention_varlen(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of variable-length query chunks; writes `out`.
 
@@ -126,9 +130,12 @@ def paged_attention_varlen(
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     group_pad = triton.next_power_of_2(group)
     # Tuned on an H200 (bf16, D=128): BLOCK_M 64 x BLOCK_N 64, 4 warps, 2 stages.
-    block_m = max(16, group_pad, min(64, triton.next_power_of_2(max_query_len) * group_pad))
+    # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
+    cap = block_m or 64
+    block_m = max(16, group_pad, min(cap, triton.next_power_of_2(max_query_len) * group_pad))
     block_q = block_m // group_pad
-    block_n = min(64, 16384 // (head_dim * q.element_size()))  # K+V tile <= 32 KiB
+    block_n = block_n or min(64, 16384 // (head_dim * q.element_size()))  # K+V tile <= 32 KiB
+    num_warps = num_warps or (4 if head_dim <= 128 else 8)
     grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
@@ -137,6 +144,6 @@ def paged_attention_varlen(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **dot_flags(q),
-        num_warps=4 if head_dim <= 128 else 8, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -150,6 +150,9 @@ def paged_attention_decode(
     max_seq_len: int,
     num_splits: int | None = None,
     workspace: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context; writes `out`.
 
@@ -176,14 +179,15 @@ def paged_attention_decode(
     else:
         ws, ws_strides = out, (0, 0, 0)  # unused
     # Tuned on an H200 (bf16, D=128): BLOCK_N 128, 4 warps, 3 stages; K+V tile <= 64 KiB.
-    block_n = min(128, 32768 // (head_dim * q.element_size()))
+    # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
+    block_n = block_n or min(128, 32768 // (head_dim * q.element_size()))
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws, seq_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        **dot_flags(q), num_warps=4, num_stages=3,
+        **dot_flags(q), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](

@@ -47,7 +47,7 @@ class RocmTritonAttentionBackend(AttentionBackend):
             lds >> 10,
             warp,
             tiles,
-            "applied" if applied else "not applied (paged.kernels takes no tile arguments yet)",
+            "applied" if applied else "not applied (these paged.kernels take no tile arguments)",
         )
         return tiles
 
