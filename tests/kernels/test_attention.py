@@ -212,3 +212,31 @@ def test_decode_cuda_graph_replay(device):
         graph.replay()
         ref = reference(q, kv[0], kv[1], [1] * batch, lens, table, 0.1)
         assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smaller_tiles(dtype, device):
+    """The tile arguments a platform with less shared memory passes (ROCm): same results."""
+    gen = torch.Generator().manual_seed(11)
+    head_dim, block_size, heads, kv_heads = 128, 16, 8, 2
+    seq_lens, query_lens = [17, 70, 33], [17, 9, 1]
+    kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, dtype, gen, device)
+    scale = head_dim**-0.5
+    q = strided_q(sum(query_lens), heads, kv_heads, head_dim, dtype, gen, device)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    qsl = i32([0, 17, 26, 27], device)
+    paged_attention_varlen(
+        q, kv[0], kv[1], out, qsl, i32(seq_lens, device), table, scale, 17, 70,
+        block_m=32, block_n=32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    ref = reference(q, kv[0], kv[1], query_lens, seq_lens, table, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+    qd = strided_q(len(seq_lens), heads, kv_heads, head_dim, dtype, gen, device)
+    outd = torch.full(qd.shape, float("nan"), dtype=dtype, device=device)
+    paged_attention_decode(
+        qd, kv[0], kv[1], outd, i32(seq_lens, device), table, scale, 70, 2,
+        block_n=32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    refd = reference(qd, kv[0], kv[1], [1] * 3, seq_lens, table, scale)
+    assert not outd.isnan().any()
+    assert rel_err(outd, refd) < TOL[dtype]
