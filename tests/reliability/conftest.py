@@ -33,17 +33,3 @@ def tiny_server(tiny_model, tmp_path_factory) -> Server:
 def tiny_http(tiny_server) -> httpx.Client:
     with httpx.Client(base_url=tiny_server.url, headers=AUTH, timeout=60) as c:
         yield c
-
-
-@pytest.fixture
-def launch(tmp_path):
-    """Start extra servers for one test (stopped afterwards): launch(args, env) -> Server."""
-    started: list[Server] = []
-
-    def start(args: list[str], env: dict[str, str] | None = None) -> Server:
-        started.append(start_server(args, tmp_path / f"server{len(started)}.log", env))
-        return started[-1]
-
-    yield start
-    for srv in started:
-        stop_server(srv)

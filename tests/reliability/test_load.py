@@ -1,7 +1,7 @@
 """500 concurrent streaming clients against the default model, a fifth of them going away at
 random points; three rounds. Every other request gets the greedy reference output, the block
 pool is full again after each round, and host memory after round three is within 10% of
-after round one. Bounded: the rounds must end within DEADLINE seconds."""
+after round one. Bounded: the whole test must end within DEADLINE seconds."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from reliability_helpers import metric, start_server, stop_server
 
 CLIENTS, ROUNDS, MAX_TOKENS = 500, 3, 8
-DEADLINE = 170.0  # seconds for all rounds (the test's own bound, inside pytest's timeout)
+DEADLINE = 175.0  # seconds for the whole test (its own bound, inside pytest's timeout)
 # float32 keeps greedy decoding independent of how requests are batched
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "256MiB"]
 PROMPTS = ["Hello, my", "The sky is", "Once upon", "I like", "Paris is", "def f(", "1, 2, 3,"]
@@ -94,6 +94,7 @@ def settled(http: httpx.Client, deadline: float = 30.0) -> str:
 
 @pytest.mark.timeout(420)
 def test_500_streaming_clients_with_disconnects(tmp_path):
+    t0 = time.monotonic()
     srv = start_server(ARGS, tmp_path / "server.log")
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as http:
@@ -102,10 +103,11 @@ def test_500_streaming_clients_with_disconnects(tmp_path):
                 ch = http.post("/v1/completions", json=body(p, False)).json()["choices"][0]
                 ref[p] = (ch["text"], ch["finish_reason"])
             pids = [srv.proc.pid, srv.core_pid()]
-            rng, rss, t0 = random.Random(6), [], time.monotonic()
+            rng, rss = random.Random(6), []
             for k in range(ROUNDS):
                 left = DEADLINE - (time.monotonic() - t0)
-                got = asyncio.run(asyncio.wait_for(one_round(srv.url, rng), max(left, 1)))
+                assert left > 0, f"out of time before round {k}"
+                got = asyncio.run(asyncio.wait_for(one_round(srv.url, rng), left))
                 assert len(got) == CLIENTS * 4 // 5
                 wrong = [(p, r, ref[p]) for p, r in got if r != ref[p]]
                 assert not wrong, f"round {k}: {len(wrong)} wrong, e.g. {wrong[:3]}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from reliability_helpers import TINY_ARGS, check_error, start_server, stop_server
+from reliability_helpers import QUIET_OMP, TINY_ARGS, check_error, start_server, stop_server
 
 from paged.config import EngineConfig
 
@@ -66,9 +66,9 @@ def test_sigterm_drains_then_exits_zero(tiny_model, tmp_path):
         stop_server(srv)
 
 
-def _server(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def _server(args: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "paged.server", "--port", "0", "--log-level", "warning"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **QUIET_OMP}
     return subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)  # fmt: skip
 
