@@ -54,7 +54,7 @@ class CudaPlatform(Platform):
         return max(0, int(total * config.gpu_memory_utilization) - peak - outside_torch)
 
     def attention_backend(self):
-        from paged_cuda.attention import TritonAttentionBackend
+        from paged.kernels.backend import TritonAttentionBackend
 
         return TritonAttentionBackend
 

@@ -1,82 +1,15 @@
-"""The fallback attention path: the portable Triton kernels of `paged.kernels`, compiled by
-Triton's Intel GPU backend (pytorch-triton-xpu ships with XPU builds of torch).
-
-Split-K decode for pure-decode steps (fixed splits and a preallocated workspace under XPU
-graphs), the varlen kernel for steps with prefill chunks.
+"""The fallback attention path: paged's `TritonAttentionBackend` over the portable Triton
+kernels of `paged.kernels`, compiled by Triton's Intel GPU backend (pytorch-triton-xpu ships
+with XPU builds of torch). Split-K decode for pure-decode steps (fixed splits and a
+preallocated workspace under XPU graphs), the varlen kernel for steps with prefill chunks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from paged.kernels.backend import TritonAttentionBackend, TritonPlan
 
-import torch
-
-from paged.model.attention import AttentionBackend, AttentionMetadata
+__all__ = ["TritonPlan", "XpuTritonAttentionBackend"]
 
 
-@dataclass
-class TritonPlan:
-    decode_only: bool
-    num_splits: int
-
-
-class XpuTritonAttentionBackend(AttentionBackend):
+class XpuTritonAttentionBackend(TritonAttentionBackend):
     name = "triton-xpu"
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.workspace: torch.Tensor | None = None
-
-    def ensure_workspace(self, max_batch: int) -> None:
-        from paged.kernels import decode_workspace
-        from paged.kernels.decode import MAX_SPLITS
-
-        if self.workspace is None or self.workspace.shape[0] < max_batch:
-            self.workspace = decode_workspace(
-                max_batch, self.num_heads, self.head_dim, MAX_SPLITS, self.device
-            )
-
-    def plan_for_graph(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Plan a captured decode step: splits fixed from the static shapes."""
-        from paged.kernels import choose_num_splits
-
-        splits = choose_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_seq_len)
-        return self.plan(meta, num_splits=splits)
-
-    def plan(self, meta: AttentionMetadata, num_splits: int | None = None) -> AttentionMetadata:
-        from paged.kernels import choose_num_splits
-
-        decode_only = meta.num_decodes == meta.num_reqs
-        if decode_only and num_splits is None:
-            num_splits = choose_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_seq_len)
-        if decode_only and num_splits > 1:
-            self.ensure_workspace(meta.num_reqs)
-        meta.extra = TritonPlan(decode_only, num_splits or 1)
-        return meta
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        from paged.kernels import paged_attention_decode, paged_attention_varlen, reshape_and_cache
-
-        plan: TritonPlan = meta.extra
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if plan.decode_only:
-            paged_attention_decode(
-                q, k_cache, v_cache, out, meta.seq_lens, meta.block_tables, self.scale,
-                meta.max_seq_len, plan.num_splits,
-                self.workspace if plan.num_splits > 1 else None,
-            )  # fmt: skip
-        else:
-            paged_attention_varlen(
-                q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
-                meta.block_tables, self.scale, meta.max_query_len, meta.max_seq_len,
-            )  # fmt: skip
-        return out

@@ -1,9 +1,15 @@
-"""Attention on the portable Triton kernels: split-K decode for pure-decode steps, the varlen
-kernel for steps with prefill chunks (causal over cached context plus new tokens)."""
+"""The attention backend over the portable Triton kernels, shared by the GPU plugins.
+
+Split-K decode for pure-decode steps (graph-safe: fixed splits, a preallocated workspace),
+the varlen kernel for steps with prefill chunks (causal over cached context plus new tokens).
+Device-neutral: the CUDA plugin uses it as is, ROCm subclasses it to pass AMD-sized launch
+tiles, XPU to rename it. Triton is imported only when a kernel is planned or launched.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -18,10 +24,21 @@ class TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    # Keyword arguments for the kernel wrappers' launch tiles (block_n, num_warps, num_stages,
+    # and block_m for varlen). Empty: the kernels' own defaults, tuned on an H200. Subclasses
+    # set these, or override `launch_tiles` to choose them from the device.
+    decode_tiles: ClassVar[dict[str, int]] = {}
+    varlen_tiles: ClassVar[dict[str, int]] = {}
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.workspace: torch.Tensor | None = None
+        self.decode_kwargs, self.varlen_kwargs = self.launch_tiles()
+
+    def launch_tiles(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(decode, varlen) keyword arguments for `paged_attention_decode` and
+        `paged_attention_varlen`; called once, at construction."""
+        return dict(self.decode_tiles), dict(self.varlen_tiles)
 
     def ensure_workspace(self, max_batch: int) -> None:
         from paged.kernels import decode_workspace
@@ -31,6 +48,13 @@ class TritonAttentionBackend(AttentionBackend):
             self.workspace = decode_workspace(
                 max_batch, self.num_heads, self.head_dim, MAX_SPLITS, self.device
             )
+
+    def plan_for_graph(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Plan a captured decode step: splits fixed from the static shapes."""
+        from paged.kernels import choose_num_splits
+
+        splits = choose_num_splits(meta.num_reqs, self.num_kv_heads, meta.max_seq_len)
+        return self.plan(meta, num_splits=splits)
 
     def plan(self, meta: AttentionMetadata, num_splits: int | None = None) -> AttentionMetadata:
         from paged.kernels import choose_num_splits
@@ -69,6 +93,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if plan.num_splits > 1 else None,
+                **self.decode_kwargs,
             )
         else:
             paged_attention_varlen(
@@ -82,5 +107,6 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 meta.max_query_len,
                 meta.max_seq_len,
+                **self.varlen_kwargs,
             )
         return out
