@@ -1,99 +1,23 @@
-"""CUDA graphs for decode steps: captured at start-up for a set of batch sizes, replayed
-with the batch padded up to the nearest captured size. Prefill steps run eagerly."""
+"""CUDA graphs for decode steps: paged's `GraphStepRunner` (captured at start-up for a set of
+batch sizes, replayed with the batch padded up to the nearest captured size; prefill steps
+run eagerly) on `torch.cuda.CUDAGraph`. A failed capture raises."""
 
 from __future__ import annotations
 
-import bisect
-import logging
-import time
-
 import torch
-from tqdm import tqdm
 
-from paged.model.attention import AttentionMetadata
-from paged.step_runner import StepRunner
-
-log = logging.getLogger("paged")
+from paged.graph_runner import GraphStepRunner
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    top = min(max_num_seqs, 512)
-    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
-    return sorted(set(sizes + [top]))
+class CudaGraphStepRunner(GraphStepRunner):
+    graph_name = "CUDA"
+    eager_fallback = False
 
+    def new_graph(self) -> torch.cuda.CUDAGraph:
+        return torch.cuda.CUDAGraph()
 
-class CudaGraphStepRunner(StepRunner):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
-        self.sizes: list[int] = []
+    def graph_capture(self, graph: torch.cuda.CUDAGraph, pool):
+        return torch.cuda.graph(graph, pool=pool)
 
-    def capture(self) -> None:
-        if self.config.enforce_eager:
-            return
-        cfg, dev = self.config, self.platform.device
-        self.sizes = capture_sizes(cfg.max_num_seqs)
-        top = self.sizes[-1]
-        max_len = cfg.max_model_len
-        max_blocks = -(-max_len // cfg.block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
-        self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        self.backend.ensure_workspace(top)
-        from paged.kernels import choose_num_splits
-
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for n in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", leave=False):
-            meta = AttentionMetadata(
-                num_reqs=n,
-                num_decodes=n,
-                num_tokens=n,
-                query_start_loc=self.qsl[: n + 1],
-                seq_lens=self.seq_lens[:n],
-                block_tables=self.tables[:n],
-                slot_mapping=self.slots[:n],
-                max_query_len=1,
-                max_seq_len=max_len,
-            )
-            splits = choose_num_splits(n, self.backend.num_kv_heads, max_len)
-            meta = self.backend.plan(meta, num_splits=splits)
-            with torch.inference_mode():
-                for _ in range(2):  # warm-up: Triton compiles outside the capture
-                    self.model(self.input_ids[:n], self.positions[:n], meta)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(self.input_ids[:n], self.positions[:n], meta)
-            self.graphs[n] = (graph, out, meta)
-        torch.cuda.synchronize()
-        log.info(
-            "captured %d CUDA graphs (decode batch 1..%d) in %.1f s",
-            len(self.graphs),
-            top,
-            time.perf_counter() - t0,
-        )
-
-    @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        n = meta.num_reqs
-        if not self.graphs or meta.num_decodes != n or n > self.sizes[-1]:
-            return super().forward(input_ids, positions, meta)
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        graph, out, _ = self.graphs[size]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
-        if size > n:  # padding rows attend to nothing and write nowhere
-            self.slots[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(0)
-        graph.replay()
-        return out[:n]
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()

@@ -1,0 +1,157 @@
+"""Graph capture for decode steps, device-neutral: graphs are captured at start-up for a set
+of batch sizes and replayed with the batch padded up to the nearest captured size. Prefill
+steps run eagerly, and so does every step after a capture that fails (unless the platform
+asks for the error instead).
+
+A platform subclasses `GraphStepRunner` and supplies the device's graph API through four
+small methods (`new_graph`, `graph_capture`, `graph_pool`, and `graphs_available` where
+the API may be missing); synchronization goes through `Platform.synchronize`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from tqdm import tqdm
+
+from paged.model.attention import AttentionMetadata
+from paged.step_runner import StepRunner
+
+log = logging.getLogger("paged")
+
+
+def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
+    """Decode batch sizes to capture: 1, 2, 4, 8, then every 16 up to min(max_num_seqs, limit)."""
+    top = min(max_num_seqs, limit)
+    sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
+    return sorted(set(sizes + [top]))
+
+
+class GraphStepRunner(StepRunner):
+    graph_name: ClassVar[str] = "device"  # in the progress bar and log lines ("CUDA", "HIP")
+    max_capture_size: ClassVar[int] = 512  # the largest decode batch captured
+    # After a capture that raises RuntimeError: log a warning and run every step eagerly
+    # (True), or let the error propagate (False).
+    eager_fallback: ClassVar[bool] = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
+        self.sizes: list[int] = []
+
+    # The device's graph API: overridden per platform.
+
+    def graphs_available(self) -> bool:
+        """False where this torch build has no graph API: the runner stays eager."""
+        return True
+
+    def new_graph(self) -> Any:
+        """A fresh graph object with a `replay()` method (CUDA: a new `CUDAGraph`)."""
+        raise NotImplementedError
+
+    def graph_capture(self, graph: Any, pool: Any) -> AbstractContextManager:
+        """The context manager that records into `graph`, allocating from `pool`."""
+        raise NotImplementedError
+
+    def graph_pool(self) -> Any:
+        """A memory-pool handle shared by all captured graphs (None: the API's default)."""
+        return None
+
+    def synchronize(self) -> None:
+        self.platform.synchronize()
+
+    # Capture and replay.
+
+    def allocate_static_inputs(self, top: int) -> None:
+        """Input buffers the graphs read, sized for the largest captured batch."""
+        cfg, dev = self.config, self.platform.device
+        max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
+        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
+        self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
+
+    def graph_meta(self, n: int) -> AttentionMetadata:
+        """The planned metadata of a captured decode batch of `n`: views of the static
+        buffers, lengths bounded by max_model_len, a plan fixed from static shapes only."""
+        meta = AttentionMetadata(
+            num_reqs=n,
+            num_decodes=n,
+            num_tokens=n,
+            query_start_loc=self.qsl[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.tables[:n],
+            slot_mapping=self.slots[:n],
+            max_query_len=1,
+            max_seq_len=self.config.max_model_len,
+        )
+        plan_for_graph = getattr(self.backend, "plan_for_graph", None)
+        if plan_for_graph is None:
+            return self.backend.plan(meta)
+        return plan_for_graph(meta)
+
+    def capture(self) -> None:
+        if self.config.enforce_eager or not self.graphs_available():
+            return
+        sizes = capture_sizes(self.config.max_num_seqs, self.max_capture_size)
+        self.allocate_static_inputs(sizes[-1])
+        ensure_workspace = getattr(self.backend, "ensure_workspace", None)
+        if ensure_workspace is not None:  # the backend's workspace for the largest batch
+            ensure_workspace(sizes[-1])
+        t0 = time.perf_counter()
+        try:
+            pool = self.graph_pool()
+            desc = f"Capturing {self.graph_name} graphs"
+            for n in tqdm(list(reversed(sizes)), desc=desc, leave=False):
+                meta = self.graph_meta(n)
+                with torch.inference_mode():
+                    for _ in range(2):  # warm-up: kernels compile outside the capture
+                        self.model(self.input_ids[:n], self.positions[:n], meta)
+                    self.synchronize()
+                    graph = self.new_graph()
+                    with self.graph_capture(graph, pool):
+                        out = self.model(self.input_ids[:n], self.positions[:n], meta)
+                self.graphs[n] = (graph, out, meta)
+        except RuntimeError as e:  # a driver or op that cannot be captured
+            if not self.eager_fallback:
+                raise
+            log.warning("%s graph capture failed, running eagerly: %s", self.graph_name, e)
+            self.graphs.clear()
+            return
+        self.synchronize()
+        self.sizes = sizes
+        log.info(
+            "captured %d %s graphs (decode batch 1..%d) in %.1f s",
+            len(self.graphs),
+            self.graph_name,
+            sizes[-1],
+            time.perf_counter() - t0,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        n = meta.num_reqs
+        if not self.graphs or meta.num_decodes != n or n > self.sizes[-1]:
+            return super().forward(input_ids, positions, meta)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        graph, out, _ = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if size > n:  # padding rows attend to nothing and write nowhere
+            self.slots[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(0)
+        graph.replay()
+        return out[:n]

@@ -1,0 +1,227 @@
+"""The device-neutral graph runner (`paged.graph_runner`) on CPU, with a fake graph API: a
+"graph" records closures while captured and reruns them on replay, so replay reads the
+static input buffers exactly as a real captured graph would."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from paged.graph_runner import GraphStepRunner, capture_sizes
+from paged.model.attention import AttentionMetadata
+
+
+class FakeGraph:
+    recording: FakeGraph | None = None
+
+    def __init__(self) -> None:
+        self.ops: list = []
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        for op in self.ops:
+            op()
+
+
+class FakeModel(torch.nn.Module):
+    """Echoes what each row sees: [input id, position, seq len, slot, first block]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids, positions, meta):
+        self.calls += 1
+
+        def compute():
+            cols = [input_ids, positions, meta.seq_lens.long(), meta.slot_mapping]
+            return torch.stack(cols + [meta.block_tables[:, 0].long()], -1)
+
+        out = compute()
+        graph = FakeGraph.recording
+        if graph is not None:
+            graph.ops.append(lambda: out.copy_(compute()))
+        return out
+
+
+class FakeBackend:
+    def __init__(self, graph_plan: bool = True) -> None:
+        self.workspace_for: list[int] = []
+        self.plans: list[tuple[str, int]] = []
+        if graph_plan:
+            self.plan_for_graph = self._plan_for_graph
+
+    def ensure_workspace(self, n: int) -> None:
+        self.workspace_for.append(n)
+
+    def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        self.plans.append(("eager", meta.num_reqs))
+        meta.extra = "eager"
+        return meta
+
+    def _plan_for_graph(self, meta: AttentionMetadata) -> AttentionMetadata:
+        self.plans.append(("graph", meta.num_reqs))
+        meta.extra = "graph"
+        return meta
+
+
+class FakeGraphRunner(GraphStepRunner):
+    graph_name = "Fake"
+    fail_at: int | None = None  # capture size whose new_graph raises
+
+    def new_graph(self) -> FakeGraph:
+        if self.fail_at is not None and len(self.graphs) == self.fail_at:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return FakeGraph()
+
+    @contextlib.contextmanager
+    def graph_capture(self, graph: FakeGraph, pool):
+        assert pool == "pool"
+        FakeGraph.recording = graph
+        try:
+            yield
+        finally:
+            FakeGraph.recording = None
+
+    def graph_pool(self):
+        return "pool"
+
+
+def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6):
+    config = SimpleNamespace(
+        enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=64, block_size=16
+    )
+    syncs: list[int] = []
+    platform = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: syncs.append(1))
+    runner = cls(FakeModel(), config, platform, FakeBackend(graph_plan))
+    return runner, syncs
+
+
+def decode_meta(n: int, offset: int = 0, num_decodes: int | None = None) -> AttentionMetadata:
+    r = torch.arange(n)
+    return AttentionMetadata(
+        num_reqs=n,
+        num_decodes=n if num_decodes is None else num_decodes,
+        num_tokens=n,
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=(r + 11 + offset).int(),
+        block_tables=(r + 3 + offset).int().unsqueeze(1),
+        slot_mapping=r + 100 + offset,
+        max_query_len=1,
+        max_seq_len=64,
+    )
+
+
+def step(runner, n, offset=0, num_decodes=None):
+    ids, pos = torch.arange(n) + 5 + offset, torch.arange(n) + 20 + offset
+    return runner.forward(ids, pos, decode_meta(n, offset, num_decodes))
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(1000)[-2:] == [496, 512]
+    assert capture_sizes(1000, limit=256)[-1] == 256
+
+
+def test_capture_then_padded_replay(caplog):
+    runner, syncs = make_runner()
+    with caplog.at_level(logging.INFO, logger="paged"):
+        runner.capture()
+    assert runner.sizes == [1, 2, 4, 6] and sorted(runner.graphs) == [1, 2, 4, 6]
+    assert runner.backend.workspace_for == [6]
+    assert runner.backend.plans == [("graph", n) for n in (6, 4, 2, 1)]  # largest first
+    assert runner.model.calls == 4 * 3  # two warm-ups and the capture, per size
+    assert len(syncs) == 4 + 1  # before each capture, and once at the end
+    assert "captured 4 Fake graphs (decode batch 1..6)" in caplog.text
+    assert runner.tables.shape == (6, 4) and runner.slots.tolist() == [-1] * 6
+
+    out = step(runner, 4, offset=50)  # fills all four rows of the size-4 graph
+    assert out[:, 3].tolist() == [150, 151, 152, 153]
+    out = step(runner, 3)  # padded to 4: the fourth row must be neutralised
+    graph, full, _ = runner.graphs[4]
+    assert graph.replays == 2 and runner.model.calls == 12  # replayed, not run eagerly
+    expected = [[5 + i, 20 + i, 11 + i, 100 + i, 3 + i] for i in range(3)]
+    assert out.tolist() == expected
+    assert runner.slots[3].item() == -1 and runner.seq_lens[3].item() == 0
+    assert full[3, 2].item() == 0 and full[3, 3].item() == -1
+    assert runner.backend.plans[4:] == []  # the captured plan is reused, no eager plan
+
+
+def test_prefill_and_eager_only_steps():
+    runner, _ = make_runner()
+    runner.capture()
+    calls = runner.model.calls
+    out = step(runner, 3, num_decodes=2)  # a prefill chunk in the batch: eager
+    assert runner.model.calls == calls + 1 and runner.backend.plans[-1] == ("eager", 3)
+    assert out[:, 3].tolist() == [100, 101, 102]
+    step(runner, 7)  # above the largest captured size: eager
+    assert runner.model.calls == calls + 2
+    assert all(g.replays == 0 for g, _, _ in runner.graphs.values())
+
+
+def test_enforce_eager_captures_nothing():
+    runner, syncs = make_runner(enforce_eager=True)
+    runner.capture()
+    assert runner.graphs == {} and runner.model.calls == 0 and not syncs
+    assert step(runner, 2)[:, 0].tolist() == [5, 6]
+    assert runner.backend.plans == [("eager", 2)]
+
+
+def test_graph_api_missing_stays_eager():
+    class NoGraphs(FakeGraphRunner):
+        def graphs_available(self) -> bool:
+            return False
+
+    runner, _ = make_runner(NoGraphs)
+    runner.capture()
+    assert runner.graphs == {} and runner.model.calls == 0
+    step(runner, 1)
+    assert runner.backend.plans == [("eager", 1)]
+
+
+def test_failed_capture_falls_back_to_eager(caplog):
+    class FailsAtThird(FakeGraphRunner):
+        fail_at = 2  # sizes 6 and 4 captured, then size 2 fails
+
+    runner, _ = make_runner(FailsAtThird)
+    with caplog.at_level(logging.WARNING, logger="paged"):
+        runner.capture()
+    assert runner.graphs == {} and runner.sizes == []
+    assert "Fake graph capture failed, running eagerly" in caplog.text
+    out = step(runner, 3)
+    assert out[:, 3].tolist() == [100, 101, 102] and runner.backend.plans[-1] == ("eager", 3)
+
+
+def test_failed_capture_raises_without_fallback():
+    class Strict(FakeGraphRunner):
+        fail_at = 0
+        eager_fallback = False
+
+    runner, _ = make_runner(Strict)
+    with pytest.raises(RuntimeError, match="capturing"):
+        runner.capture()
+
+
+def test_backend_without_graph_hooks():
+    runner, _ = make_runner(graph_plan=False, max_num_seqs=2)
+    runner.backend.ensure_workspace = None  # neither plan_for_graph nor ensure_workspace
+    runner.capture()
+    assert runner.backend.plans == [("eager", 2), ("eager", 1)]
+    assert sorted(runner.graphs) == [1, 2]
+
+
+def test_plugin_runners_configure_the_core_runner():
+    cuda = pytest.importorskip("paged_cuda.graphs").CudaGraphStepRunner
+    assert issubclass(cuda, GraphStepRunner) and cuda.graph_name == "CUDA"
+    assert cuda.max_capture_size == 512 and not cuda.eager_fallback  # errors propagate
+    rocm = pytest.importorskip("paged_rocm.graphs").HipGraphStepRunner
+    assert rocm.graph_name == "HIP" and rocm.max_capture_size == 512 and rocm.eager_fallback
+    xpu = pytest.importorskip("paged_xpu.graphs").XpuGraphStepRunner
+    assert xpu.graph_name == "XPU" and xpu.max_capture_size == 256 and xpu.eager_fallback
