@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paged.cli.chat import add_client_args, make_client, sampling_kwargs
+from paged.cli.client import Session, add_client_args, run_session, stream_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,43 +16,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def stream_completion(client, model: str, prompt: str, **kw) -> str:
-    parts = []
-    for chunk in client.completions.create(model=model, prompt=prompt, stream=True, **kw):
-        if chunk.choices and chunk.choices[0].text:
-            parts.append(chunk.choices[0].text)
-            print(chunk.choices[0].text, end="", flush=True)
-    print()
-    return "".join(parts)
+class CompleteSession(Session):
+    banner = "completing with {model} at {url}; Ctrl-D to quit"
+
+    def send(self, text: str) -> None:
+        stream = self.client.completions.create(
+            model=self.model, prompt=text, stream=True, **self.kw
+        )
+        stream_text(stream, lambda choice: choice.text)
+
+    def ask(self, text: str) -> None:
+        print(text, end="")  # the completion continues the prompt on the same line
+        self.send(text)
+
+    def error(self, e: Exception) -> None:
+        print(f"\nerror: {e}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
-    from openai import OpenAIError
-
-    try:
-        client, model = make_client(args)
-    except OpenAIError as e:
-        print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
-        return 1
-    kw = sampling_kwargs(args)
-    if args.quick is not None:
-        try:
-            stream_completion(client, model, args.quick, **kw)
-        except OpenAIError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
-    print(f"completing with {model} at {args.url}; Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            prompt = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
-            return 0
-        if not prompt:
-            continue
-        try:
-            print(prompt, end="")
-            stream_completion(client, model, prompt, **kw)
-        except OpenAIError as e:
-            print(f"\nerror: {e}", file=sys.stderr)
+    return run_session(args, CompleteSession)
