@@ -53,6 +53,10 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt("most tokens in one step", default=2048, type=int)
     enable_prefix_caching: bool = _opt("reuse KV blocks of shared prefixes", default=True)
     enforce_eager: bool = _opt("disable graph capture", default=False)
+    async_scheduling: bool | None = _opt(
+        "schedule and launch each step before the previous step's tokens reach the host, "
+        "hiding host work behind the device (default: the platform's choice)"
+    )
     seed: int = _opt("seed for weights of --load-format dummy and unseeded sampling", default=0)
     served_model_name: str | None = _opt("model name reported by the API")
     chat_template: str | None = _opt("a Jinja chat template file or string")
@@ -79,7 +83,7 @@ class EngineConfig:
             help = f.metadata.get("help", "")
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None, help=help)
-            elif f.type in ("bool", bool):
+            elif f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help
                 )

@@ -1,5 +1,8 @@
 """Packs a scheduled batch into two flat host buffers (numpy index math, no per-token Python)
-and moves them to the device in two copies; every per-step tensor is a view of those."""
+and moves them to the device in two copies; every per-step tensor is a view of those.
+
+Two sets of host buffers alternate, so that packing a step never overwrites what the copy of
+the step before (possibly still queued on the device) reads."""
 
 from __future__ import annotations
 
@@ -22,16 +25,27 @@ class InputBuffers:
     ) -> None:
         self.block_size = block_size
         self.device = device
-        # int64: token ids | positions | slots | logits rows;  int32: qsl | seq_lens | table
-        self.i64 = torch.zeros(4 * max_tokens, dtype=torch.int64, pin_memory=pin)
-        self.i32 = torch.zeros(
-            2 * max_reqs + 1 + max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
-        )
-        self.n64, self.n32 = self.i64.numpy(), self.i32.numpy()
+        # int64: token ids | positions | slots | logits rows | placeholder fills (index, row)
+        # int32: qsl | seq_lens | table
+        self.sets = [
+            (
+                torch.zeros(4 * max_tokens + 2 * max_reqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(
+                    2 * max_reqs + 1 + max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
+                ),
+            )
+            for _ in range(2)
+        ]
+        self.turn = 0
 
     def pack(
-        self, batch: Batch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        self, batch: Batch, prev_rows: dict[str, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor | None]:
+        """(input ids, positions, metadata, logits rows, fills). Input tokens that are still
+        placeholders (sampled by the step in flight) are listed in `fills`, a [2, n] device
+        tensor of (input index, row of the previous step's sampled tokens, from `prev_rows`)."""
+        self.i64, self.i32 = self.sets[self.turn]
+        self.turn ^= 1
         reqs, bs = batch.reqs, self.block_size
         b = len(reqs)
         q = np.asarray(batch.num_new, dtype=np.int64)
@@ -49,20 +63,28 @@ class InputBuffers:
         # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
         totals = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
         last = (ends - 1)[seq >= totals]
-        n64 = self.n64
-        off = 0
+        n64 = self.i64.numpy()
+        off, fills = 0, []
         for r, s, n in zip(reqs, starts.tolist(), batch.num_new):
             n64[off : off + n] = r.token_ids[s : s + n]
             off += n
+            if r.num_pending and s + n > r.num_tokens - r.num_pending:
+                # Only the newest token can be pending when a step is scheduled.
+                fills.append((off - 1, prev_rows[r.request_id]))
         n64[t : 2 * t] = positions
         n64[2 * t : 3 * t] = slots
-        n64[3 * t : 3 * t + len(last)] = last
-        n32 = self.n32
+        nl = len(last)
+        n64[3 * t : 3 * t + nl] = last
+        end = 3 * t + nl
+        if fills:
+            n64[end : end + 2 * len(fills)] = np.asarray(fills, dtype=np.int64).T.ravel()
+            end += 2 * len(fills)
+        n32 = self.i32.numpy()
         n32[0] = 0
         n32[1 : b + 1] = ends
         n32[b + 1 : 2 * b + 1] = seq
         n32[2 * b + 1 : 2 * b + 1 + b * width] = table.ravel()
-        d64 = self.i64[: 3 * t + len(last)].to(self.device, non_blocking=True)
+        d64 = self.i64[:end].to(self.device, non_blocking=True)
         d32 = self.i32[: 2 * b + 1 + b * width].to(self.device, non_blocking=True)
         seq_list = seq.tolist()
         meta = AttentionMetadata(
@@ -78,4 +100,5 @@ class InputBuffers:
             query_lens_cpu=list(batch.num_new),
             seq_lens_cpu=seq_list,
         )
-        return d64[:t], d64[t : 2 * t], meta, d64[3 * t :]
+        fill = d64[3 * t + nl :].view(2, -1) if fills else None
+        return d64[:t], d64[t : 2 * t], meta, d64[3 * t : 3 * t + nl], fill

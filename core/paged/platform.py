@@ -27,6 +27,8 @@ class Platform:
     needs_profile_run: ClassVar[bool] = False
     # Stage per-step inputs in page-locked host memory (async copies to the device).
     pin_memory: ClassVar[bool] = False
+    # Launch step N+1 while step N runs (devices that compute asynchronously to the host).
+    overlap_steps: ClassVar[bool] = False
 
     @classmethod
     def probe(cls) -> str | None:
@@ -70,6 +72,10 @@ class Platform:
         from paged.step_runner import StepRunner
 
         return StepRunner
+
+    def prepare_model(self, model: torch.nn.Module, config: EngineConfig, source=None) -> None:
+        """After the weights are loaded (from `source`, a ModelSource, None for dummy weights):
+        reorder them, or read the checkpoint's quantized form, for this device's kernels."""
 
     def ops(self) -> dict[str, Callable]:
         """Optional fused ops overriding the torch defaults in ``paged.model.ops``."""

@@ -22,7 +22,13 @@ log = logging.getLogger("paged")
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, platform: Platform, hf_config, max_model_len: int, weights=None
+        self,
+        config: EngineConfig,
+        platform: Platform,
+        hf_config,
+        max_model_len: int,
+        weights=None,
+        source=None,
     ) -> None:
         self.config = config
         self.platform = platform
@@ -42,7 +48,7 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.model = self._build_model(weights)
+        self.model = self._build_model(weights, source)
         self.vocab_size = hf_config.vocab_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
@@ -55,8 +61,12 @@ class ModelRunner:
             platform.pin_memory,
         )
         self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
+        # Overlap: launch step N+1 before step N's tokens reach the host (see EngineCore.step).
+        self.overlap = bool(
+            platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
+        )
 
-    def _build_model(self, weights) -> torch.nn.Module:
+    def _build_model(self, weights, source) -> torch.nn.Module:
         cls = model_class(self.hf_config)
         with torch.device("meta"):
             model = cls(self.hf_config, self.backend, self.max_model_len)
@@ -76,6 +86,7 @@ class ModelRunner:
             missing = model.expected_weights() - loaded
             if missing:
                 raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        self.platform.prepare_model(model, self.config, source if weights is not None else None)
         log.info("weights ready in %.1f s", time.perf_counter() - t0)
         return model.eval()
 
@@ -131,43 +142,87 @@ class ModelRunner:
         self, batch: Batch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input ids, positions, attention metadata, logits rows) on the device."""
-        return self.inputs.pack(batch)
+        return self.inputs.pack(batch)[:4]
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> tuple[list[int], dict[str, dict[int, float]]]:
-        """Run one step. Returns a sampled token per request that completed its prompt, and
-        {request id: {token: logprob}} for those that asked for logprobs (sampled first)."""
-        input_ids, positions, meta, logits_idx = self.prepare(batch)
+    def launch(self, batch: Batch, prev: StepHandle | None = None) -> StepHandle:
+        """Queue one step on the device: forward, logits, sampling. Input tokens still pending
+        from `prev` (the step in flight) are taken from its sampled tokens on the device."""
+        prev_rows = prev.rows if prev is not None else None
+        input_ids, positions, meta, logits_idx, fill = self.inputs.pack(batch, prev_rows)
+        if fill is not None:
+            input_ids[fill[0]] = prev.tokens[fill[1]]
         hidden = self.step_runner.forward(input_ids, positions, meta)
-        if logits_idx.numel() == 0:
-            return [], {}
+        reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
+        if not reqs:
+            return StepHandle(reqs, None, [], None)
         if logits_idx.numel() != hidden.shape[0]:  # pure decode steps need no gather
             hidden = hidden[logits_idx]
         logits = self.model.compute_logits(hidden)
-        sampling_reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
-        want = [r.params.logprobs for r in sampling_reqs]
-        logprobs = logits.log_softmax(-1) if any(w is not None for w in want) else None
-        sb = build_sampling_batch(sampling_reqs, self.device, self.vocab_size)
+        want = [r.params.logprobs for r in reqs]
+        k = max((w or 0 for w in want), default=0)
+        sb = build_sampling_batch(reqs, self.device, self.vocab_size)
         tokens = sample(logits, sb)
-        return tokens.tolist(), self._logprobs(sampling_reqs, want, logprobs, tokens)
+        extra: list[torch.Tensor] = []
+        if any(w is not None for w in want):  # from the raw (unpenalised) logits
+            logprobs = logits.log_softmax(-1)
+            extra.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            if k:
+                extra.extend(logprobs.topk(k, dim=-1))
+        handle = StepHandle(reqs, tokens, want, None)
+        if self.overlap and self.device.type != "cpu":  # result() waits for this step only
+            handle.host = [self._to_host(t) for t in (tokens, *extra)]
+            handle.event = torch.Event(device=self.device)
+            handle.event.record()
+        else:
+            handle.host = [tokens, *extra]
+        return handle
 
-    @staticmethod
-    def _logprobs(
-        reqs, want: list[int | None], logprobs: torch.Tensor | None, tokens: torch.Tensor
-    ) -> dict[str, dict[int, float]]:
-        """The sampled token's logprob plus the top-n, from the raw (unpenalised) logits."""
-        if logprobs is None:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
+        return host.copy_(t, non_blocking=True)
+
+    def execute(self, batch: Batch) -> tuple[list[int], dict[str, dict[int, float]]]:
+        """Run one step to completion: (sampled tokens, logprobs) as StepHandle.result()."""
+        return self.launch(batch).result()
+
+
+class StepHandle:
+    """A launched step: the requests that sample in it (row order) and its device results."""
+
+    def __init__(self, reqs: list, tokens: torch.Tensor | None, want: list, host) -> None:
+        self.reqs = reqs
+        self.tokens = tokens  # [len(reqs)] on the device: the next step may read them
+        self.rows = {r.request_id: i for i, r in enumerate(reqs)}
+        self.want = want  # per request: None, or how many top logprobs it asked for
+        self.host = host  # tokens (+ chosen logprob, top values, top ids) as host tensors
+        self.event = None  # marks the host copies done (overlapped platforms)
+        self._result: tuple[list[int], dict[str, dict[int, float]]] | None = None
+
+    def result(self) -> tuple[list[int], dict[str, dict[int, float]]]:
+        """(a sampled token per request, {request id: {token: logprob}} for those that asked
+        for logprobs, the sampled token's first). Waits for this step only."""
+        if self._result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            if not self.reqs:
+                self._result = [], {}
+            else:
+                tokens = self.host[0].tolist()
+                self._result = tokens, self._logprobs(tokens, [h.tolist() for h in self.host[1:]])
+        return self._result
+
+    def _logprobs(self, tokens: list[int], extra: list[list]) -> dict[str, dict[int, float]]:
+        if not extra:
             return {}
-        k = max(w or 0 for w in want)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
-        top_v = top_v.tolist() if k else None
-        top_i = top_i.tolist() if k else None
+        chosen, top_v, top_i = extra[0], *(extra[1:] or (None, None))
         out = {}
-        for row, (req, w) in enumerate(zip(reqs, want)):
+        for row, (req, w) in enumerate(zip(self.reqs, self.want)):
             if w is None:
                 continue
-            entry = {int(tokens[row]): chosen[row]}
+            entry = {tokens[row]: chosen[row]}
             for j in range(w):
                 entry.setdefault(top_i[row][j], top_v[row][j])
             out[req.request_id] = entry

@@ -80,26 +80,27 @@ def generate(llm, prompts: list[list[int]], lens: list[int]) -> list[list[int]]:
 
 
 def watch_device_greedy(llm) -> list[int]:
-    """Wrap the runner's execute (this script's own probe, not the plugin's) to compare the
+    """Wrap the runner's launch (this script's own probe, not the plugin's) to compare the
     compiled tail's greedy ids with the tokens the host sampled. Returns [checked, wrong]."""
     runner = llm.engine.runner
     step = runner.step_runner
-    execute = runner.execute
+    launch = runner.launch
     counts = [0, 0]
 
-    def checked(batch):
+    def checked(batch, prev=None):
         sampling = [
             i
             for i, (r, n) in enumerate(zip(batch.reqs, batch.num_new))
             if r.num_computed_tokens + n >= r.num_tokens
         ]
-        tokens, logprobs = execute(batch)
+        handle = launch(batch, prev)
+        tokens, _ = handle.result()
         device = [step.last_greedy[i] for i in sampling]
         counts[0] += len(tokens)
         counts[1] += sum(a != b for a, b in zip(device, tokens))
-        return tokens, logprobs
+        return handle
 
-    runner.execute = checked
+    runner.launch = checked
     return counts
 
 

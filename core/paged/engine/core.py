@@ -74,7 +74,7 @@ class EngineCore:
 
             weights = iter_weights(self.source, self.hf_config)
         self.runner = ModelRunner(
-            config, self.platform, self.hf_config, self.max_model_len, weights
+            config, self.platform, self.hf_config, self.max_model_len, weights, self.source
         )
         if (
             self.platform.needs_profile_run
@@ -93,6 +93,7 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
+        self.inflight = None  # (batch, handle, sampling, computed) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
             "engine ready on %s (%s, %s) in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -159,7 +160,7 @@ class EngineCore:
                 self.scheduler.finish(req, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.inflight is not None
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counters for /metrics (counters are totals since start)."""
@@ -178,30 +179,64 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """Schedule and launch one step; return the outputs of the steps that completed.
+
+        With overlap (``runner.overlap``) the step launched here completes in the next call:
+        the scheduler counts its tokens as pending placeholders, the next step reads them on
+        the device, and the host work of both calls runs while the device computes."""
+        outs: list[EngineOutput] = []
+        prev = self.inflight
+        if prev is not None and not self._can_overlap():
+            outs += self._resolve(prev)
+            prev = self.inflight = None
         batch = self.scheduler.schedule()
-        if not batch.reqs:
-            return []
-        lens = {r.request_id: r.num_output_tokens for r in batch.reqs}
+        launched = None
+        if batch.reqs:
+            try:
+                handle = self.runner.launch(batch, prev[1] if prev else None)
+                launched = (batch, handle, *self.scheduler.launched(batch))
+            except Exception as e:  # fail this step's requests, keep the engine alive
+                outs += self._fail(batch.reqs, e)
+        if prev is not None:
+            outs += self._resolve(prev)
+        self.inflight = None
+        if launched is not None:
+            if self.runner.overlap:
+                self.inflight = launched
+            else:
+                outs += self._resolve(launched)
+        return outs
+
+    def _can_overlap(self) -> bool:
+        """Penalties read the output tokens on the host: those steps wait for the last one."""
+        return self.runner.overlap and not any(
+            r.params.needs_penalties for r in self.scheduler.running
+        )
+
+    def _resolve(self, launched) -> list[EngineOutput]:
+        batch, handle, sampling, computed = launched
         try:
-            sampled, logprobs = self.runner.execute(batch)
-        except Exception as e:  # fail this step's requests, keep the engine alive
-            log.exception("step failed")
-            outs = []
-            for req in batch.reqs:
-                self.scheduler.finish(req, "error")
-                self.requests.pop(req.request_id, None)
-                outs.append(self._output(req, [], error=f"{type(e).__name__}: {e}"))
-            return outs
+            sampled, logprobs = handle.result()
+        except Exception as e:
+            return self._fail([r for r in batch.reqs if not r.finished], e)
         outs = []
-        for req in self.scheduler.update(batch, sampled):
-            new = req.token_ids[req.num_prompt_tokens + lens[req.request_id] :]
-            self.stats["generation_tokens"] += len(new)
+        for req, tok in self.scheduler.resolve(batch, computed, sampling, sampled):
+            self.stats["generation_tokens"] += 1
             if req.finished:
                 self.requests.pop(req.request_id, None)
-            out = self._output(req, new)
+            out = self._output(req, [tok])
             if req.request_id in logprobs:
                 out.logprobs = [logprobs[req.request_id]]
             outs.append(out)
+        return outs
+
+    def _fail(self, reqs: list[Request], e: Exception) -> list[EngineOutput]:
+        log.exception("step failed", exc_info=e)
+        outs = []
+        for req in reqs:
+            self.scheduler.finish(req, "error")
+            self.requests.pop(req.request_id, None)
+            outs.append(self._output(req, [], error=f"{type(e).__name__}: {e}"))
         return outs
 
     def _output(self, req: Request, new: list[int], error: str | None = None) -> EngineOutput:

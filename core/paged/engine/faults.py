@@ -24,7 +24,7 @@ class InjectedFault(RuntimeError):
 
 
 def install_test_faults(runner: Any) -> None:
-    """Wrap runner.execute when a PAGED_TEST_* variable asks for a fault."""
+    """Wrap runner.launch when a PAGED_TEST_* variable asks for a fault."""
     token = os.environ.get("PAGED_TEST_FAULT_TOKEN")
     delay = float(os.environ.get("PAGED_TEST_STEP_DELAY") or 0)
     if token is None and delay <= 0:
@@ -38,17 +38,17 @@ def install_test_faults(runner: Any) -> None:
         delay,
         slow_id,
     )
-    execute = runner.execute
+    launch = runner.launch
 
     def has(tok: int | None, batch: Any) -> bool:
         return tok is not None and any(tok in r.prompt_token_ids for r in batch.reqs)
 
-    def execute_with_faults(batch: Any) -> Any:
+    def launch_with_faults(batch: Any, prev: Any = None) -> Any:
         if delay > 0 and (slow_id is None or has(slow_id, batch)):
             time.sleep(delay)
         if has(poison, batch):
             # The path is there to check that clients never see it.
             raise InjectedFault(f"injected step failure (token {poison}) in {__file__}")
-        return execute(batch)
+        return launch(batch, prev)
 
-    runner.execute = execute_with_faults
+    runner.launch = launch_with_faults

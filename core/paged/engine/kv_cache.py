@@ -71,13 +71,15 @@ class KVCacheManager:
             hits.append(blk)
         return hits
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly computed full blocks in the prefix cache."""
+    def cache_full_blocks(self, req: Request, upto: int | None = None) -> None:
+        """Register the request's full blocks among its first `upto` computed tokens (default:
+        all computed) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = req.num_computed_tokens // bs
-        hashes = self._hash_blocks(req, req.num_computed_tokens)
+        upto = req.num_computed_tokens if upto is None else upto
+        full = upto // bs
+        hashes = self._hash_blocks(req, upto)
         for i in range(self.req_registered.get(req.request_id, 0), full):
             h, blk = hashes[i], self.blocks[req.block_ids[i]]
             if blk.hash is not None:

@@ -7,6 +7,9 @@ import time
 
 from paged.sampling.params import SamplingParams
 
+# Stands in token_ids for a token still being sampled on the device (overlapped steps).
+PLACEHOLDER = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -26,7 +29,8 @@ class Request:
         self.params = params
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written)
+        self.num_pending = 0  # trailing PLACEHOLDERs: tokens sampled by steps still in flight
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (first schedule)
         self.block_ids: list[int] = []
         self.status = Status.WAITING

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paged.engine.kv_cache import KVCacheManager
-from paged.engine.request import Request, Status
+from paged.engine.request import PLACEHOLDER, Request, Status
 
 
 @dataclass
@@ -57,6 +57,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.num_pending and self._length_reached(req, req.num_tokens):
+                continue  # its last token is still being sampled: it ends when that lands
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = next((r for r in reversed(self.running) if r not in batch.reqs), req)
@@ -105,45 +107,64 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, batch: Batch, sampled: list[int]) -> list[Request]:
-        """Advance the batch by its computed tokens and sampled ids (one per request that
-        finished its prompt: partial prefill chunks sample nothing). Returns the requests
-        that got a token or finished."""
-        changed, it = [], iter(sampled)
+    def launched(self, batch: Batch) -> tuple[list[Request], list[int]]:
+        """The step is on the device: advance each request by the tokens it computes. A request
+        that completes its prompt or decodes gets a PLACEHOLDER for the token being sampled.
+        Returns (the sampling requests in row order, each request's computed count)."""
+        sampling, computed = [], []
         for req, n in zip(batch.reqs, batch.num_new):
-            if req.finished:  # aborted while the step ran: its blocks are already freed
-                if req.num_computed_tokens + n >= req.num_tokens:
-                    next(it)
-                continue
             req.num_computed_tokens += n
-            self.kv.cache_full_blocks(req)
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk: nothing sampled yet
-            tok = next(it)
-            req.token_ids.append(tok)
-            self._check_stop(req, tok)
+            computed.append(req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(PLACEHOLDER)
+                req.num_pending += 1
+                sampling.append(req)
+        return sampling, computed
+
+    def resolve(
+        self, batch: Batch, computed: list[int], sampling: list[Request], sampled: list[int]
+    ) -> list[tuple[Request, int]]:
+        """A launched step's tokens have landed: each replaces its request's oldest placeholder
+        and is checked for a stop. Returns (request, token) for those still alive."""
+        for req, upto in zip(batch.reqs, computed):  # K/V of the step's full blocks: cacheable
+            if not req.finished and req.num_computed_tokens >= upto:
+                self.kv.cache_full_blocks(req, upto)
+        got = []
+        for req, tok in zip(sampling, sampled):
+            if req.finished:  # aborted or stopped while the step ran: its blocks are freed
+                continue
+            idx = req.num_tokens - req.num_pending
+            req.token_ids[idx] = tok
+            req.num_pending -= 1
+            self._check_stop(req, tok, idx + 1)
             if req.finished:
                 self._finish(req)
-            changed.append(req)
-        return changed
+            got.append((req, tok))
+        return got
 
-    def _check_stop(self, req: Request, tok: int) -> None:
+    def _check_stop(self, req: Request, tok: int, length: int) -> None:
+        """`tok` is the request's token number `length` (prompt included)."""
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        if length - req.num_prompt_tokens >= p.min_tokens:
             if not p.ignore_eos and tok in p.eos_token_ids:
                 req.status, req.finish_reason = Status.FINISHED, "stop"
                 return
             if tok in p.stop_token_ids:
                 req.status, req.finish_reason, req.stop_reason = Status.FINISHED, "stop", tok
                 return
-        if (
-            p.max_tokens is not None
-            and req.num_output_tokens >= p.max_tokens
-            or req.num_tokens >= self.max_model_len
-        ):
+        if self._length_reached(req, length):
             req.status, req.finish_reason = Status.FINISHED, "length"
 
+    def _length_reached(self, req: Request, length: int) -> bool:
+        max_tokens = req.params.max_tokens
+        return (
+            max_tokens is not None and length - req.num_prompt_tokens >= max_tokens
+        ) or length >= self.max_model_len
+
     def _finish(self, req: Request) -> None:
+        if req.num_pending:  # tokens of steps still in flight: no longer wanted
+            del req.token_ids[req.num_tokens - req.num_pending :]
+            req.num_pending = 0
         if req in self.running:
             self.running.remove(req)
         else:

@@ -17,6 +17,7 @@ class CudaPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     needs_profile_run = True
     pin_memory = True
+    overlap_steps = True  # launch step N+1 before step N's tokens reach the host
 
     @classmethod
     def probe(cls) -> str | None:

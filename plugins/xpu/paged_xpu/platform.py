@@ -48,6 +48,7 @@ class XpuPlatform(Platform):
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     needs_profile_run = True
     pin_memory = True
+    overlap_steps = True  # launch step N+1 before step N's tokens reach the host
 
     def __init__(self) -> None:
         self.dist_backend = choose_dist_backend()
