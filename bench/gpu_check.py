@@ -100,14 +100,19 @@ def main() -> None:
     ref = [hf_greedy(hf, p, n) for p in prompts]
     print(f"HF fp32 reference in {time.perf_counter() - t:.1f}s", flush=True)
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    for eager in (False, True):
+    variants = {  # name -> engine flags
+        "graphs": {},
+        "eager": {"enforce_eager": True},
+        "graphs_no_overlap": {"async_scheduling": False},
+    }
+    for variant, flags in variants.items():
         llm = LLM(
             tmp,
             dtype="float32",
             max_model_len=2048,
-            enforce_eager=eager,
             gpu_memory_utilization=0.5,
             max_num_seqs=64,
+            **flags,
         )
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
@@ -116,9 +121,10 @@ def main() -> None:
             next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             for a, b in zip(got, ref)
         ]
-        key = f"fp32_identical_{'eager' if eager else 'graphs'}"
+        key = f"fp32_identical_{variant}"
         report[key] = f"{sum(same)}/{len(same)}"
         report[key + "_first_diff"] = first_diff
+        report[key + "_overlap"] = llm.engine.runner.overlap
         print(key, report[key], first_diff, flush=True)
         del llm
         gc.collect()

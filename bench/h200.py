@@ -8,7 +8,8 @@ or hang loses nothing else): ``ceilings`` (copy GB/s, bf16 matmul TFLOP/s), ``la
 (`paged bench latency` with HF eager + static-compiled baselines), ``throughput`` (`paged
 bench throughput` with HF static-compiled batch 64 and generate_batch, each HF mode held to
 --tp-hf-seconds by scaling its prompt count), ``serve`` (`paged serve` + `paged bench
-serve`), ``latency-eager`` (paged with --enforce-eager). Results: $OUT/h200.md (a markdown
+serve`), ``latency-eager`` (paged with --enforce-eager), ``latency-sync`` (paged with
+--no-async-scheduling). Results: $OUT/h200.md (a markdown
 section, also appended to bench/results/h200.md), $OUT/h200.json, logs in $OUT/logs/.
 """
 
@@ -31,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager")
+PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync")
 RESERVE_S = 15  # kept back from the budget to write the results
 # Floors from issue 4 (one H200, Llama-3.1-8B shape, bf16).
 FLOOR_TPOT_MS, FLOOR_TP_TOK_S, FLOOR_TTFT_MS, FLOOR_ITL_MS = 5.0, 15000.0, 60.0, 10.0
@@ -69,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name, t in (("ceilings", 90), ("latency", 240), ("throughput", 330), ("serve", 200)):
         a(f"--{name}-timeout", type=float, default=t, help="seconds")
     a("--latency-eager-timeout", type=float, default=120, help="seconds")
+    a("--latency-sync-timeout", type=float, default=120, help="seconds")
     a("--_ceilings", default=None, help=argparse.SUPPRESS)  # internal: the ceilings child
     return ap.parse_args(argv)
 
@@ -201,15 +203,19 @@ def phase_ceilings(args, out: Path, timeout: float) -> dict:
     return {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
 
 
-def _latency(args, out: Path, timeout: float, eager: bool) -> dict:
-    name = "latency-eager" if eager else "latency"
+def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
+    """variant: "" (the default engine, with the HF baselines), "eager" (no CUDA graphs) or
+    "sync" (no overlapped steps): paged alone."""
+    name = f"latency-{variant}" if variant else "latency"
     path = out / f"{name}.json"
     cmd = paged("bench", "latency", *_model_args(args), "--batch-size", args.lat_batch,
                 "--input-len", args.lat_input, "--output-len", args.lat_output,
                 "--num-iters-warmup", 1, "--num-iters", args.lat_iters, "--save-json", path,
                 "--disable-tqdm")  # fmt: skip
-    if eager:
+    if variant == "eager":
         cmd.append("--enforce-eager")
+    elif variant == "sync":
+        cmd.append("--no-async-scheduling")
     elif args.lat_hf_modes:
         cmd += ["--baseline", "hf", "--hf-modes", args.lat_hf_modes, "--hf-batch-size",
                 str(args.lat_batch), "--hf-num-iters", str(args.lat_hf_iters)]  # fmt: skip
@@ -218,11 +224,15 @@ def _latency(args, out: Path, timeout: float, eager: bool) -> dict:
 
 
 def phase_latency(args, out: Path, timeout: float) -> dict:
-    return _latency(args, out, timeout, eager=False)
+    return _latency(args, out, timeout)
 
 
 def phase_latency_eager(args, out: Path, timeout: float) -> dict:
-    return _latency(args, out, timeout, eager=True)
+    return _latency(args, out, timeout, "eager")
+
+
+def phase_latency_sync(args, out: Path, timeout: float) -> dict:
+    return _latency(args, out, timeout, "sync")
 
 
 def phase_throughput(args, out: Path, timeout: float) -> dict:
@@ -321,6 +331,7 @@ RUNNERS = {
     "throughput": phase_throughput,
     "serve": phase_serve,
     "latency-eager": phase_latency_eager,
+    "latency-sync": phase_latency_sync,
 }
 
 
@@ -380,15 +391,19 @@ def _cmds(r: dict) -> list[str]:
 
 
 def _latency_md(args, res: dict) -> list[str]:
-    lat, eag = res.get("latency"), res.get("latency-eager")
-    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag)):
+    lat, eag, syn = res.get("latency"), res.get("latency-eager"), res.get("latency-sync")
+    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag, syn)):
         return []  # the phase's error line says why
     out = [
         f"\n### Latency: batch {args.lat_batch}, {args.lat_input} in / {args.lat_output} out\n",
         "| implementation | TTFT ms | decode ms/token | e2e ms | paged faster by |",
         "|---|---|---|---|---|",
     ]
-    for label, r in (("paged, mean", lat or {}), ("paged --enforce-eager, mean", eag or {})):
+    for label, r in (
+        ("paged, mean", lat or {}),
+        ("paged --no-async-scheduling, mean", syn or {}),
+        ("paged --enforce-eager, mean", eag or {}),
+    ):
         if "mean_tpot_ms" in r:
             out.append(
                 f"| {label} | {_f(r['mean_ttft_ms'])} | {_f(r['mean_tpot_ms'])} "
@@ -410,7 +425,7 @@ def _latency_md(args, res: dict) -> list[str]:
     tpot = (lat or {}).get("mean_tpot_ms")
     ok = None if tpot is None else tpot <= FLOOR_TPOT_MS
     out.append(f"\nfloor: decode <= {FLOOR_TPOT_MS} ms/token: {_ok(ok)}")
-    return out + _cmds(lat or {}) + _cmds(eag or {})
+    return out + _cmds(lat or {}) + _cmds(syn or {}) + _cmds(eag or {})
 
 
 def _throughput_md(args, res: dict) -> list[str]:
