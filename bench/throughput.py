@@ -88,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--hf-batch", default="32,64", help="HF padded batch sizes to try")
     ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts for batch-1 runs")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
@@ -121,10 +121,11 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             model, gc = hf_model(path, dtype)
             name = str(dtype).removeprefix("torch.")
-            record(
-                f"HF generate {name}, padded batch {args.hf_batch}",
-                bench_hf_generate(model, gc, ids, m, args.hf_batch),
-            )
+            for hb in (int(b) for b in args.hf_batch.split(",")):
+                record(
+                    f"HF generate {name}, padded batch {hb}",
+                    bench_hf_generate(model, gc, ids, m, hb),
+                )
             record(
                 f"HF generate {name}, batch 1 ({args.batch1_prompts} prompts)",
                 bench_hf_generate(model, gc, ids[: args.batch1_prompts], m, 1),

@@ -58,9 +58,20 @@ def run(cls: type, step, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor
     """(output, cache after the step) of backend `cls` on a private copy of the step."""
     q, k, v, cache, meta = step
     backend = cls(HEADS, KV_HEADS, DIM, DIM**-0.5, BLOCK, dtype, torch.device("cpu"))
-    cache = cache.clone()
+    head_major = tuple(backend.kv_cache_shape(cache.shape[1]))[1] == KV_HEADS
+    cache = to_head_major(cache) if head_major else cache.clone()
     meta = backend.plan(AttentionMetadata(**{**meta.__dict__, "extra": None}))
-    return backend.forward(q, k, v, cache, meta), cache
+    out = backend.forward(q, k, v, cache, meta)
+    return out, from_head_major(cache) if head_major else cache
+
+
+def to_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """[2, blocks, block_size, heads, d] -> the cpu backend's [2, heads, blocks, block_size, d]."""
+    return cache.permute(0, 3, 1, 2, 4).contiguous()
+
+
+def from_head_major(cache: torch.Tensor) -> torch.Tensor:
+    return cache.permute(0, 2, 3, 1, 4).contiguous()
 
 
 def max_errors(cls: type, dtype: torch.dtype = torch.float32) -> dict[str, float]:

@@ -192,13 +192,14 @@ def test_static_torch_attention_matches_cpu_backend(monkeypatch):
     q, k, v = (torch.randn(t, hh, d, generator=gen) for hh in (h, hkv, hkv))
     qsl = np.cumsum([0] + [n for _, n in reqs])
     seqs = np.array([c + n for c, n in reqs])
-    cpu_cache = torch.stack((ctx_k, ctx_v))
+    cpu_cache = torch.stack((ctx_k, ctx_v)).permute(0, 3, 1, 2, 4).contiguous()  # head-major
     meta = AttentionMetadata(
         len(reqs), 2, t, torch.tensor(qsl, dtype=torch.int32), torch.tensor(seqs).int(),
         tables, torch.tensor(slots), 12, int(seqs.max()),
         [n for _, n in reqs], seqs.tolist(),
     )  # fmt: skip
     want = cpu.forward(q, k, v, cpu_cache, cpu.plan(meta))
+    cpu_cache = cpu_cache.permute(0, 2, 3, 1, 4)  # back to [2, blocks, block, heads, d]
 
     layout = Layout(tokens=32, reqs=8, blocks=6)
     buf = pack_step(layout, np.zeros(t), np.array(pos), np.array(slots), qsl, seqs, tables.numpy())

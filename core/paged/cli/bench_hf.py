@@ -69,6 +69,12 @@ def paged_to_hf_weights(model) -> Iterator[tuple[str, Any]]:
 def hf_from_paged(model, hf_config, dtype, device):
     """An HF CausalLM whose parameters are views of paged `model`'s: the same weights."""
     import torch
+
+    if any(not hasattr(m, "weight") for m in model.modules() if hasattr(m, "out_features")):
+        raise ValueError(
+            "the engine's weights were reordered for this device (paged-cpu, bfloat16): "
+            "set PAGED_CPU_PACKED_WEIGHTS=0 to compare with HF on the same weights"
+        )
     from transformers import AutoModelForCausalLM
 
     cfg = copy.deepcopy(hf_config)

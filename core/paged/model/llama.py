@@ -111,6 +111,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class TiedHead(nn.Module):
+    """The output projection of tied-embedding models: the embedding matrix, not a copy."""
+
+    bias = None
+
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self._embed = [embed]  # in a list: not a submodule, so its weight is not listed twice
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embed[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
@@ -134,7 +151,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tied:
+        if self.tied:
+            self.lm_head = TiedHead(self.embed_tokens)
+        else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.max_model_len = max_model_len
         self.cos_sin: torch.Tensor | None = None  # set by init_rope() on the real device
@@ -153,8 +172,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tied else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors in (cast to each parameter's dtype); returns names loaded."""

@@ -1,8 +1,10 @@
 """CPU attention over the paged KV cache with torch ops.
 
-Decodes run as one batched SDPA over K/V gathered through the block table (padded to the
-longest context, masked); prefill chunks run one SDPA per request, causal over the cached
-context plus the new tokens.
+The cache is head-major, [2, kv_heads, blocks, block_size, head_dim], so that one gather
+through the block table yields each head's context as a contiguous [tokens, head_dim]
+matrix, ready for batched matmuls without a second copy. Decodes run as two batched
+matmuls over that gather (padded to the longest context, masked); prefill chunks run one
+SDPA per request, causal over the cached context plus the new tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from paged.model.attention import AttentionBackend, AttentionMetadata
 @dataclass
 class CpuPlan:
     decode_table: torch.Tensor | None  # [num_decodes, blocks] int64
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, blocks * block_size]: True = pad
+    decode_mask: torch.Tensor | None  # [1, num_decodes, 1, blocks * block_size]: True = pad
     decode_len: int
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     # (token start, token end, context length, block ids or None, mask or None)
@@ -27,15 +29,26 @@ class CpuPlan:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu-torch"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        from paged_cpu.native import kernels
+
+        self.native = kernels()  # the C++ decode kernel, or None: torch ops
+        if self.native is not None:
+            self.name = "cpu-native"
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         bs, nd = self.block_size, meta.num_decodes
         table, mask, dlen = None, None, 0
-        if nd:
+        if nd and self.native is None:
             nblocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
             dlen = nblocks * bs
             table = meta.block_tables[:nd, :nblocks].long()
             pos = torch.arange(dlen)
-            mask = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, dlen)
+            mask = (pos[None, :] >= meta.seq_lens[:nd, None]).view(1, nd, 1, dlen)
         prefills = []
         start = sum(meta.query_lens_cpu[:nd])
         for i in range(nd, meta.num_reqs):
@@ -61,27 +74,37 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan: CpuPlan = meta.extra
         h, d = self.num_kv_heads, self.head_dim
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [h, blocks, block_size, d]
         slots = meta.slot_mapping
-        k_cache.view(-1, h, d).index_copy_(0, slots, k)
-        v_cache.view(-1, h, d).index_copy_(0, slots, v)
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if nd:  # one batched matmul pair: SDPA's kernels are slow for single-token queries
+        if self.native is not None:  # writes K/V, decodes from the blocks in place
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            self.native.paged_decode(
+                q, k, v, k_cache, v_cache, slots, meta.block_tables, meta.seq_lens, out, nd,
+                self.scale,
+            )
+            nd = 0
+        else:
+            k_cache.view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+            v_cache.view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+        if nd:  # batched matmuls over (head, request): SDPA is slow for one-token queries
             n, group = plan.decode_len, self.num_heads // h
-            kd = k_cache[plan.decode_table].view(nd, n, h, d).permute(0, 2, 3, 1)
-            vd = v_cache[plan.decode_table].view(nd, n, h, d).transpose(1, 2)
-            scores = torch.matmul(q[:nd].view(nd, h, group, d), kd).float() * self.scale
-            scores.masked_fill_(plan.decode_mask, float("-inf"))
-            probs = scores.softmax(-1).to(q.dtype)
-            out[:nd] = torch.matmul(probs, vd).view(nd, h * group, d)
+            kd = k_cache[:, plan.decode_table].view(h * nd, n, d)
+            vd = v_cache[:, plan.decode_table].view(h * nd, n, d)
+            qd = q[:nd].view(nd, h, group, d).transpose(0, 1).reshape(h * nd, group, d)
+            scores = torch.bmm(qd, kd.transpose(1, 2)).float() * self.scale
+            scores = scores.view(h, nd, group, n).masked_fill_(plan.decode_mask, float("-inf"))
+            probs = scores.softmax(-1).to(q.dtype).view(h * nd, group, n)
+            o = torch.bmm(probs, vd).view(h, nd, group, d).transpose(0, 1)
+            out[:nd] = o.reshape(nd, h * group, d)
         for s, e, seq, blocks, mask in plan.prefills:
             qi = q[s:e].transpose(0, 1)
             if blocks is None:
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
             else:
-                ki = k_cache[blocks].view(-1, h, d)[:seq].transpose(0, 1)
-                vi = v_cache[blocks].view(-1, h, d)[:seq].transpose(0, 1)
+                ki = k_cache[:, blocks].view(h, -1, d)[:, :seq]
+                vi = v_cache[:, blocks].view(h, -1, d)[:, :seq]
             o = F.scaled_dot_product_attention(
                 qi,
                 ki,

@@ -1,0 +1,162 @@
+// Paged attention for the CPU plugin: writes new K/V into the paged cache and runs decode
+// attention straight from the cache blocks (no gathered copy of the context).
+// Cache layout: [kv_heads, num_blocks, block_size, head_dim], as CpuAttentionBackend makes it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// x[i] = exp(x[i] - shift) for x[i] <= shift, in a loop the compiler vectorizes (libm's expf
+// does not): Cephes' expf polynomial, about 1 ulp.
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = x[i] - shift;
+    v = std::max(v, -87.f);
+    const float t = v * 1.44269504088896341f;
+    const int32_t k = static_cast<int32_t>(t - 0.5f);  // round to nearest (t <= 0)
+    const float fk = static_cast<float>(k);
+    const float r = v - fk * 0.693359375f + fk * 2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.f;
+    const int32_t bits = (k + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = y * scale;
+    total += x[i];
+  }
+  return total;
+}
+
+// Element i of a cache row as float, written so that loops over i vectorize.
+inline float f32(const float* p, int64_t i) { return p[i]; }
+inline float f32(const double* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float f32(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
+inline float f32(const at::BFloat16* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += q[i + j] * f32(k, i + j);
+  float sum = 0.f;
+  for (; i < d; ++i) sum += q[i] * f32(k, i);
+  for (int j = 0; j < 16; ++j) sum += acc[j];
+  return sum;
+}
+
+template <typename T>
+void write_cache(const T* k, const T* v, T* k_cache, T* v_cache, const int64_t* slots,
+                 int64_t tokens, int64_t heads, int64_t slots_per_head, int64_t d) {
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t src = (t * heads + h) * d, dst = (h * slots_per_head + slot) * d;
+        std::copy(k + src, k + src + d, k_cache + dst);
+        std::copy(v + src, v + src + d, v_cache + dst);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_t* tables,
+            const int32_t* seq_lens, int64_t reqs, int64_t q_heads, int64_t kv_heads,
+            int64_t num_blocks, int64_t block_size, int64_t d, int64_t table_width,
+            float scale) {
+  const int64_t group = q_heads / kv_heads;
+  int64_t tokens = 0;
+  for (int64_t r = 0; r < reqs; ++r) tokens += seq_lens[r];
+  // Tasks per thread chunk: enough work (~256K multiply-adds) to pay for waking a thread.
+  const int64_t work = std::max<int64_t>(1, tokens / reqs * group * d * 2);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / work);
+  at::parallel_for(0, reqs * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * d), acc(group * d), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads, len = seq_lens[r];
+      const int32_t* table = tables + r * table_width;
+      for (int64_t i = 0; i < group * d; ++i)
+        qf[i] = static_cast<float>(q[(r * q_heads + h * group) * d + i]);
+      scores.assign(group * len, 0.f);
+      std::vector<float> top(group, -3.0e38f);
+      for (int64_t t = 0; t < len; ++t) {  // scores over K, read in place from its block
+        const T* kp = k_cache + ((h * num_blocks + table[t / block_size]) * block_size +
+                                 t % block_size) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float s = dot(qf.data() + g * d, kp, d) * scale;
+          scores[g * len + t] = s;
+          top[g] = std::max(top[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax, then the weighted sum of V
+        float* sg = scores.data() + g * len;
+        const float inv = 1.f / exp_shifted_sum(sg, len, top[g]);
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < len; ++t) {
+        const T* vp = v_cache + ((h * num_blocks + table[t / block_size]) * block_size +
+                                 t % block_size) * d;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * d;
+          for (int64_t i = 0; i < d; ++i) ag[i] += p * f32(vp, i);
+        }
+      }
+      for (int64_t i = 0; i < group * d; ++i)
+        out[(r * q_heads + h * group) * d + i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// k/v [T, kv_heads, d] go to `slots` of the caches; then requests [0, reqs) of the batch (one
+// query token each, q [>= reqs, q_heads, d]) attend over their blocks into out[:reqs].
+void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                  torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+                  torch::Tensor seq_lens, torch::Tensor out, int64_t reqs, double scale) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() &&
+              out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && block_tables.scalar_type() == torch::kInt32 &&
+              seq_lens.scalar_type() == torch::kInt32);
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1),
+                block_size = k_cache.size(2), d = k_cache.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    write_cache<scalar_t>(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                          k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                          slots.data_ptr<int64_t>(), k.size(0), kv_heads,
+                          num_blocks * block_size, d);
+    if (reqs > 0)
+      decode<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                       v_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(), reqs, q.size(1),
+                       kv_heads, num_blocks, block_size, d, tables.size(1),
+                       static_cast<float>(scale));
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "write K/V to the paged cache, decode attention");
+}
