@@ -40,12 +40,13 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("heads", [(4, 4, 64), (8, 2, 64), (9, 3, 64), (4, 2, 128), (6, 1, 32)])
 def test_native_paged_decode(dtype, heads):
+    """Register kernels (head_dim 64/128, groups 1-4) and the generic loop (the rest)."""
     native = native_or_skip()
     g = torch.Generator().manual_seed(0)
-    hq, hk = heads
-    d, bs, nblocks = 64, 16, 40
+    hq, hk, d = heads
+    bs, nblocks = 16, 40
     lens = torch.tensor([1, 15, 16, 17, 33, 100], dtype=torch.int32)  # block boundaries
     reqs = len(lens)
     k_cache = torch.randn(hk, nblocks, bs, d, generator=g).to(dtype)

@@ -7,7 +7,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -49,6 +54,85 @@ inline float f32(const at::BFloat16* p, int64_t i) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+#if defined(__AVX512F__)
+// 16 elements as floats in one register.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One (request, kv head) of decode attention with head_dim D and G query heads per kv head,
+// the query and the running sums in registers.
+template <typename T, int D, int G>
+void decode_task_avx512(const T* q, const T* k_cache, const T* v_cache, T* out,
+                        const int32_t* table, int64_t len, int64_t h, int64_t num_blocks,
+                        int64_t block_size, float scale, std::vector<float>& scores) {
+  constexpr int C = D / 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      qv[g][c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
+  scores.resize(G * len);
+  float top[G];
+  for (int g = 0; g < G; ++g) top[g] = -3.0e38f;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* kp = k_cache + ((h * num_blocks + table[t / block_size]) * block_size +
+                             t % block_size) * D;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(kp + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+      const float s = _mm512_reduce_add_ps(a);
+      scores[g * len + t] = s;
+      top[g] = std::max(top[g], s);
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = 1.f / exp_shifted_sum(scores.data() + g * len, len, top[g]);
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* vp = v_cache + ((h * num_blocks + table[t / block_size]) * block_size +
+                             t % block_size) * D;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(vp + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    }
+  }
+  float row[D];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(row + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+    for (int i = 0; i < D; ++i) out[g * D + i] = static_cast<T>(row[i]);
+  }
+}
+
+// The register kernel for the common shapes; false: use the generic loop.
+template <typename T>
+bool decode_task_fast(int64_t d, int64_t group, const T* q, const T* k_cache, const T* v_cache,
+                      T* out, const int32_t* table, int64_t len, int64_t h, int64_t num_blocks,
+                      int64_t block_size, float scale, std::vector<float>& scores) {
+#define PAGED_CASE(DD, GG)                                                                 \
+  if (d == DD && group == GG) {                                                            \
+    decode_task_avx512<T, DD, GG>(q, k_cache, v_cache, out, table, len, h, num_blocks,     \
+                                  block_size, scale, scores);                              \
+    return true;                                                                           \
+  }
+  PAGED_CASE(64, 1) PAGED_CASE(64, 2) PAGED_CASE(64, 3) PAGED_CASE(64, 4)
+  PAGED_CASE(128, 1) PAGED_CASE(128, 2)
+#undef PAGED_CASE
+  return false;
+}
+#endif
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t d) {
@@ -94,6 +178,14 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads, len = seq_lens[r];
       const int32_t* table = tables + r * table_width;
+#if defined(__AVX512F__)
+      if constexpr (!std::is_same_v<T, double>) {
+        const int64_t at = (r * q_heads + h * group) * d;
+        if (decode_task_fast<T>(d, group, q + at, k_cache, v_cache, out + at, table, len, h,
+                                num_blocks, block_size, scale, scores))
+          continue;
+      }
+#endif
       for (int64_t i = 0; i < group * d; ++i)
         qf[i] = static_cast<float>(q[(r * q_heads + h * group) * d + i]);
       scores.assign(group * len, 0.f);
