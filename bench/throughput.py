@@ -1,6 +1,6 @@
 """CPU throughput: paged vs HF transformers (and llama.cpp when installed), same weights.
 
-    python bench/throughput.py [--num-prompts 64] [--max-tokens 128]
+    python bench/throughput.py [--num-prompts 64] [--max-tokens 128] [--repeat 2]
 
 Greedy, every request generates exactly --max-tokens tokens (end-of-sequence ignored) so all
 engines do the same work. Results go to bench/results/cpu.md.
@@ -91,6 +91,13 @@ def main() -> None:
     ap.add_argument("--hf-batch", default="32,64", help="HF padded batch sizes to try")
     ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts for batch-1 runs")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="passes over the bfloat16 runs, paged and HF interleaved; each figure is the "
+        "best of its passes (a shared host's speed drifts during a run)",
+    )
     args = ap.parse_args()
     path = default_model_path()
     from paged.model.loader import load_tokenizer, resolve_model
@@ -107,18 +114,25 @@ def main() -> None:
     def record(name: str, value: float | None) -> None:
         if value is None:
             return
-        figs[name] = round(value, 1)
-        rows.append((name, f"{value:.1f} tok/s"))
         print(f"{name}: {value:.1f} tok/s", flush=True)
+        if value < figs.get(name, 0.0):
+            return
+        figs[name] = round(value, 1)
+        row = (name, f"{value:.1f} tok/s")
+        at = next((i for i, r in enumerate(rows) if r[0] == name), None)
+        rows.append(row) if at is None else rows.__setitem__(at, row)
 
-    for dtype in ("bfloat16", "float32"):
-        record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
-    record(
-        f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
-        _batch1(path, ids[: args.batch1_prompts], m),
-    )
-    if not args.skip_hf:
-        for dtype in (torch.float32, torch.bfloat16):
+    for rep in range(args.repeat):
+        first = rep == 0
+        for dtype in ("bfloat16", "float32") if first else ("bfloat16",):
+            record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
+        record(
+            f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
+            _batch1(path, ids[: args.batch1_prompts], m),
+        )
+        if args.skip_hf:
+            continue
+        for dtype in (torch.float32, torch.bfloat16) if first else (torch.bfloat16,):
             model, gc = hf_model(path, dtype)
             name = str(dtype).removeprefix("torch.")
             for hb in (int(b) for b in args.hf_batch.split(",")):
@@ -130,7 +144,7 @@ def main() -> None:
                 f"HF generate {name}, batch 1 ({args.batch1_prompts} prompts)",
                 bench_hf_generate(model, gc, ids[: args.batch1_prompts], m, 1),
             )
-            if hasattr(model, "generate_batch"):
+            if first and hasattr(model, "generate_batch"):
                 record(
                     f"HF generate_batch {name} ({n // 4} prompts)",
                     bench_hf_generate_batch(model, gc, ids[: n // 4], m),
@@ -148,7 +162,8 @@ def main() -> None:
     write_results(
         "cpu.md",
         f"Offline throughput, SmolLM2-135M-Instruct Q4_1 GGUF, {n} chat "
-        f"prompts x {m} new tokens, greedy",
+        f"prompts x {m} new tokens, greedy"
+        + (f", best of {args.repeat} passes" if args.repeat > 1 else ""),
         rows,
         {"figures": figs},
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,13 @@ SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
 def kernels() -> Any | None:
     if os.environ.get("PAGED_CPU_NATIVE", "1") == "0":
         return None
+    if shutil.which("ninja") is None:  # pip's ninja, when its venv's bin/ is not on PATH
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
     try:
         from torch.utils.cpp_extension import load
 
