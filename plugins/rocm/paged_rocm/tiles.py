@@ -5,9 +5,8 @@ GPUs run 64-lane wavefronts and have 64 KiB of LDS a CU (160 KiB on gfx950); the
 kernel's 128-key K+V tile (64 KiB at head_dim 128, bf16) with three pipeline stages does not
 fit there. This module picks smaller tiles from the device's own numbers.
 
-The kernel wrappers do not take tile arguments yet: `launch_kwargs` passes only those a
-wrapper's signature accepts, so the choice takes effect as soon as they do, and until then
-the kernels run with their defaults (see the README).
+The kernel wrappers take optional tile arguments (block_m / block_n / num_warps /
+num_stages); `launch_kwargs` passes those a wrapper's signature accepts.
 """
 
 from __future__ import annotations
