@@ -179,14 +179,8 @@ class ModelRunner:
         return handle
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
         return host.copy_(t, non_blocking=True)
-
-    def execute(self, batch: Batch) -> tuple[list[int], dict[str, dict[int, float]]]:
-        """Run one step to completion: (sampled tokens, logprobs) as StepHandle.result()."""
-        return self.launch(batch).result()
 
 
 class StepHandle:

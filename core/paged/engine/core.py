@@ -93,7 +93,7 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
-        self.inflight = None  # (batch, handle, sampling, computed) of a launched step
+        self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
             "engine ready on %s (%s, %s) in %.1f s: %d KV blocks of %d tokens (%d tokens)",
@@ -194,17 +194,14 @@ class EngineCore:
         if batch.reqs:
             try:
                 handle = self.runner.launch(batch, prev[1] if prev else None)
-                launched = (batch, handle, *self.scheduler.launched(batch))
+                launched = (batch, handle, self.scheduler.launched(batch))
             except Exception as e:  # fail this step's requests, keep the engine alive
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
             outs += self._resolve(prev)
-        self.inflight = None
-        if launched is not None:
-            if self.runner.overlap:
-                self.inflight = launched
-            else:
-                outs += self._resolve(launched)
+        self.inflight = launched if self.runner.overlap else None
+        if launched is not None and not self.runner.overlap:
+            outs += self._resolve(launched)
         return outs
 
     def _can_overlap(self) -> bool:
@@ -214,13 +211,13 @@ class EngineCore:
         )
 
     def _resolve(self, launched) -> list[EngineOutput]:
-        batch, handle, sampling, computed = launched
+        batch, handle, computed = launched
         try:
             sampled, logprobs = handle.result()
         except Exception as e:
             return self._fail([r for r in batch.reqs if not r.finished], e)
         outs = []
-        for req, tok in self.scheduler.resolve(batch, computed, sampling, sampled):
+        for req, tok in self.scheduler.resolve(batch, computed, handle.reqs, sampled):
             self.stats["generation_tokens"] += 1
             if req.finished:
                 self.requests.pop(req.request_id, None)

@@ -107,25 +107,25 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def launched(self, batch: Batch) -> tuple[list[Request], list[int]]:
+    def launched(self, batch: Batch) -> list[int]:
         """The step is on the device: advance each request by the tokens it computes. A request
         that completes its prompt or decodes gets a PLACEHOLDER for the token being sampled.
-        Returns (the sampling requests in row order, each request's computed count)."""
-        sampling, computed = [], []
+        Returns each request's computed count."""
+        computed = []
         for req, n in zip(batch.reqs, batch.num_new):
             req.num_computed_tokens += n
             computed.append(req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens:
                 req.token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
-                sampling.append(req)
-        return sampling, computed
+        return computed
 
     def resolve(
         self, batch: Batch, computed: list[int], sampling: list[Request], sampled: list[int]
     ) -> list[tuple[Request, int]]:
         """A launched step's tokens have landed: each replaces its request's oldest placeholder
-        and is checked for a stop. Returns (request, token) for those still alive."""
+        and is checked for a stop. `sampling`: the requests that sampled, in row order (the
+        launch's StepHandle.reqs). Returns (request, token) for those still alive."""
         for req, upto in zip(batch.reqs, computed):  # K/V of the step's full blocks: cacheable
             if not req.finished and req.num_computed_tokens >= upto:
                 self.kv.cache_full_blocks(req, upto)

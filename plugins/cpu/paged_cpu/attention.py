@@ -81,7 +81,16 @@ class CpuAttentionBackend(AttentionBackend):
         if self.native is not None:  # writes K/V, decodes from the blocks in place
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             self.native.paged_decode(
-                q, k, v, k_cache, v_cache, slots, meta.block_tables, meta.seq_lens, out, nd,
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                slots,
+                meta.block_tables,
+                meta.seq_lens,
+                out,
+                nd,
                 self.scale,
             )
             nd = 0

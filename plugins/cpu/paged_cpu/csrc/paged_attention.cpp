@@ -55,6 +55,13 @@ inline float f32(const at::BFloat16* p, int64_t i) {
   return f;
 }
 
+// Row of token t (of kv head h) in a [kv_heads, blocks, block_size, d] cache, via the table.
+template <typename T>
+inline const T* cache_row(const T* cache, int64_t h, int64_t num_blocks, int64_t block_size,
+                          int64_t d, const int32_t* table, int64_t t) {
+  return cache + ((h * num_blocks + table[t / block_size]) * block_size + t % block_size) * d;
+}
+
 #if defined(__AVX512F__)
 // 16 elements as floats in one register.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -81,8 +88,7 @@ void decode_task_avx512(const T* q, const T* k_cache, const T* v_cache, T* out,
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -3.0e38f;
   for (int64_t t = 0; t < len; ++t) {
-    const T* kp = k_cache + ((h * num_blocks + table[t / block_size]) * block_size +
-                             t % block_size) * D;
+    const T* kp = cache_row(k_cache, h, num_blocks, block_size, D, table, t);
     __m512 kv[C];
     for (int c = 0; c < C; ++c) kv[c] = load16(kp + c * 16);
     for (int g = 0; g < G; ++g) {
@@ -99,8 +105,7 @@ void decode_task_avx512(const T* q, const T* k_cache, const T* v_cache, T* out,
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const T* vp = v_cache + ((h * num_blocks + table[t / block_size]) * block_size +
-                             t % block_size) * D;
+    const T* vp = cache_row(v_cache, h, num_blocks, block_size, D, table, t);
     __m512 vv[C];
     for (int c = 0; c < C; ++c) vv[c] = load16(vp + c * 16);
     for (int g = 0; g < G; ++g) {
@@ -191,8 +196,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
       scores.assign(group * len, 0.f);
       std::vector<float> top(group, -3.0e38f);
       for (int64_t t = 0; t < len; ++t) {  // scores over K, read in place from its block
-        const T* kp = k_cache + ((h * num_blocks + table[t / block_size]) * block_size +
-                                 t % block_size) * d;
+        const T* kp = cache_row(k_cache, h, num_blocks, block_size, d, table, t);
         for (int64_t g = 0; g < group; ++g) {
           const float s = dot(qf.data() + g * d, kp, d) * scale;
           scores[g * len + t] = s;
@@ -206,8 +210,7 @@ void decode(const T* q, const T* k_cache, const T* v_cache, T* out, const int32_
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {
-        const T* vp = v_cache + ((h * num_blocks + table[t / block_size]) * block_size +
-                                 t % block_size) * d;
+        const T* vp = cache_row(v_cache, h, num_blocks, block_size, d, table, t);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* ag = acc.data() + g * d;
