@@ -1,5 +1,6 @@
 """The CPU plugin's own kernels against torch references: the C++ paged decode attention,
-oneDNN-packed linears, and the GGUF 4-bit linears (codes read back from the default model)."""
+oneDNN-packed linears, the GGUF block linears with 8-bit activations (blocks read back from
+the default model) and the fused bfloat16 elementwise ops."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch.nn.functional as F
 
 from paged.model.attention import AttentionMetadata
 from paged_cpu.attention import CpuAttentionBackend
-from paged_cpu.linear import Int4DualLinear, PackedLinear, packing_available
+from paged_cpu.fused_ops import fused_ops
+from paged_cpu.linear import (
+    GgufBlockLinear,
+    PackedLinear,
+    gguf_blocks_available,
+    packing_available,
+)
 from paged_cpu.native import kernels
 
 
@@ -129,40 +136,137 @@ def test_packed_linear_matches_linear():
         torch.testing.assert_close(packed(x), F.linear(x, w, b), atol=3e-2, rtol=2e-2)
 
 
-def test_int4_linear_is_the_gguf_weight():
-    """code * d + m is the weight, on both the 4-bit path (few rows) and the dense one."""
+needs_vnni = pytest.mark.skipif(
+    not gguf_blocks_available(), reason="no C++ kernels or no AVX-512 VNNI/BF16 here"
+)
+
+
+def block_reference(x, codes, d, m, bias=None):
+    """llama.cpp's arithmetic in float64: x quantized per block of 32 to round(x / s), s =
+    max|x| / 127; weight = code * d + m per block."""
+    rows, k = x.shape
+    xb = x.double().view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = (torch.round(xb.float() * inv.float()).double() * amax / 127).view(rows, k)
+    n = codes.shape[0]
+    w = codes.double().view(n, k // 32, 32) * d.double()[..., None] + m.double()[..., None]
+    y = xq @ w.view(n, k).t()
+    return y if bias is None else y + bias.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_block_linear_is_llama_cpp_arithmetic(kind):
+    """Every row count (register tails of 1-3 rows, several row chunks) and an odd number of
+    column tiles; a bias; Q8_0's signed codes stored as code + 128 with m = -128 d."""
     torch.manual_seed(0)
-    n, k = 48, 128
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    d, m = torch.rand(n, k // 32) * 0.05, torch.randn(n, k // 32) * 0.05
-    w = (codes.view(n, k // 32, 32).float() * d[..., None] + m[..., None]).view(n, k)
-    dense = torch.nn.Linear(k, n, bias=False)
-    dense.weight.data = w.bfloat16()
-    layer = Int4DualLinear(dense, codes, d, m)
-    for rows in (1, 8, 9, 40):
+    n, k = 48, 96
+    if kind == "Q4_1":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        d, m = torch.rand(n, k // 32) * 0.05, torch.randn(n, k // 32) * 0.05
+    else:
+        codes = torch.randint(1, 256, (n, k), dtype=torch.uint8)
+        d = torch.rand(n, k // 32) * 0.01
+        m = -128 * d
+    bias = torch.randn(n).bfloat16()
+    layer = GgufBlockLinear(codes, d, m, bias)
+    for rows in (1, 2, 3, 4, 5, 64, 67):
         x = torch.randn(rows, k).bfloat16()
-        ref = x.float() @ w.t()
-        torch.testing.assert_close(layer(x).float(), ref, atol=5e-2, rtol=2e-2)
+        x[0, :32] = 0  # an all-zero block: scale 0
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        ref = block_reference(x, codes, d, m, bias.float())
+        torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=1e-2)
+        w = codes.float().view(n, k // 32, 32) * d[..., None] + m[..., None]
+        dense = x.float() @ w.view(n, k).t() + bias.float()  # 8-bit inputs: close, not equal
+        assert (got.float() - dense).abs().max() < 0.05 * dense.abs().max()
 
 
-def test_default_gguf_keeps_its_4bit_codes(default_model_path):
-    """Every Q4_1 linear of SmolLM2 reads its codes; they reproduce the dequantized file."""
-    from paged import LLM
+def test_gguf_blocks_are_the_file_weights(smollm, default_model_path):
+    """code * d + m reproduces iter_gguf's dequantization: Q4_1 layers and the Q8_0 embedding
+    (the tied output head)."""
+    from paged.model.gguf_loader import iter_gguf, iter_gguf_blocks
 
-    default_model = default_model_path
-    llm = LLM(default_model, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
-    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int4DualLinear)]
-    assert len(layers) == 4 * llm.engine.hf_config.num_hidden_layers
-    from paged.model.gguf_loader import iter_gguf, iter_gguf_q4
-
-    cfg = llm.engine.hf_config
-    quant = {name: rest for name, *rest in iter_gguf_q4(default_model, cfg)}
-    checked = 0
-    for name, w in iter_gguf(default_model, cfg, progress=False):
-        if name in quant and checked < 4:
+    cfg = smollm.engine.hf_config
+    quant = {name: rest for name, *rest in iter_gguf_blocks(default_model_path, cfg)}
+    assert "model.embed_tokens.weight" in quant  # Q8_0
+    checked = []
+    for name, w in iter_gguf(default_model_path, cfg, progress=False):
+        if name in quant and (len(checked) < 4 or "embed" in name):
             codes, d, m = quant[name]
             n, k = codes.shape
             got = codes.reshape(n, k // 32, 32) * d[..., None] + m[..., None]
             torch.testing.assert_close(torch.from_numpy(got.reshape(n, k)), w, atol=1e-6, rtol=0)
-            checked += 1
-    assert checked == 4
+            checked.append(name)
+    assert "model.embed_tokens.weight" in checked and len(checked) >= 4
+
+
+@needs_vnni
+def test_default_gguf_in_bf16_computes_from_its_blocks(smollm, default_model_path):
+    """In bfloat16 every linear layer of SmolLM2 (and its tied head) runs on the file's blocks,
+    and greedy output stays close to the float32 engine, which is token-identical to HF."""
+    from paged import LLM, SamplingParams
+
+    llm = LLM(default_model_path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, GgufBlockLinear)]
+    assert len(layers) == 4 * llm.engine.hf_config.num_hidden_layers + 1
+    assert isinstance(model.lm_head, GgufBlockLinear)
+    topics = ["the sea", "bread", "a violin", "winter", "bees", "a clock", "rivers", "chess"]
+    chats = [[{"role": "user", "content": f"Write one sentence about {t}."}] for t in topics]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    truth = [o.outputs[0].token_ids for o in smollm.chat(chats, params, use_tqdm=False)]
+    prefix = []
+    for a, b in zip(ours, truth):
+        n = 0
+        while n < len(a) and a[n] == b[n]:
+            n += 1
+        prefix.append(n)
+    assert sum(p > 0 for p in prefix) >= 6, prefix  # the first token agrees
+    assert sum(prefix) / len(prefix) >= 4, prefix
+    assert all(len(set(t)) > 3 for t in ours)  # not a repeated token
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (64, 576), (19, 72)])
+def test_fused_bf16_ops_match_torch_ops(rows, hidden):
+    """The C++ norm (with and without the residual add), rotary and SiLU-and-mul give the
+    torch ops' bfloat16 results (the norm's float sum may round 1 in 1000 elements apart)."""
+    native_or_skip()
+    from paged.model import ops
+    from paged.model.llama import rope_cache
+
+    fused = fused_ops()
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden).bfloat16()
+    res = torch.randn(rows, hidden).bfloat16()
+    w = (torch.rand(hidden) + 0.5).bfloat16()
+
+    def close(a, b):
+        differ = (a != b).float().mean().item()
+        assert differ <= 1e-3, differ
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+    close(fused["rms_norm"](x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
+    mine = res.clone()
+    got, got_res = fused["fused_add_rms_norm"](x, mine, w, 1e-5)
+    want, want_res = ops.fused_add_rms_norm(x, res, w, 1e-5)
+    assert got_res is mine and torch.equal(got_res, want_res)
+    close(got, want)
+
+    class Cfg:
+        hidden_size, num_attention_heads, rope_theta = 4 * 64, 4, 10000.0
+
+    cos_sin = rope_cache(Cfg(), 512)
+    qkv = torch.randn(rows, 7 * 64).bfloat16()  # q, k, v as views with a row stride
+    q, k = qkv[:, : 4 * 64].view(rows, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(rows, 2, 64)
+    positions = torch.randint(0, 512, (rows,))
+    rope = ops.rotary_prepare(positions, cos_sin, torch.bfloat16)
+    want_q, want_k = ops.rotary_embedding(positions, q, k, rope)
+    rope = fused["rotary_prepare"](positions, cos_sin, torch.bfloat16)
+    got_q, got_k = fused["rotary_embedding"](positions, q, k, rope)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+    gate_up = torch.randn(rows, 2 * hidden).bfloat16() * 4
+    close(fused["silu_and_mul"](gate_up), ops.silu_and_mul(gate_up))

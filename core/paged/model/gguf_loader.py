@@ -165,36 +165,43 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
         yield name, torch.from_numpy(w)
 
 
-# Block layouts of llama.cpp's 4-bit formats: fp16 scale d (and, for Q4_1, fp16 minimum m),
-# then 16 bytes holding 32 codes; element j is the low nibble of byte j, element j+16 the high.
-_Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# Block layouts of llama.cpp's formats, 32 weights each: fp16 scale d (and, for Q4_1, fp16
+# minimum m), then the codes: Q4_0/Q4_1 16 bytes, element j the low nibble of byte j and
+# element j+16 the high one; Q8_0 32 signed bytes.
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights per block
 
 
-def iter_gguf_q4(
+def iter_gguf_blocks(
     path: str, config: Any
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
-    """The Q4_0 / Q4_1 tensors as they are stored: (HF name, codes uint8 [N, K] in 0..15,
-    d float32 [N, K/32], m float32 [N, K/32]) with weight = code * d + m (Q4_0: m = -8 d),
-    q/k rows un-permuted like iter_gguf's. Other tensor types are skipped."""
+    """The Q4_0 / Q4_1 / Q8_0 tensors as they are stored: (HF name, unsigned codes uint8
+    [N, K], d float32 [N, K/32], m float32 [N, K/32]) with weight = code * d + m per block of
+    32 (Q4_0: m = -8 d; Q8_0: code = q + 128, m = -128 d), q/k rows un-permuted like
+    iter_gguf's. Other tensor types are skipped."""
     reader = _reader(path)
     permute = _architecture(reader) == "llama"
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in _Q4_BLOCK_BYTES:
+        if kind not in _BLOCK_BYTES:
             continue
         name = hf_name(t.name)
         if name is None:
             continue
         k, n = (int(x) for x in t.shape)
-        blocks = np.asarray(t.data).reshape(n, k // 32, _Q4_BLOCK_BYTES[kind])
+        blocks = np.asarray(t.data).reshape(n, k // 32, _BLOCK_BYTES[kind])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if kind == "Q4_1":
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q8_0":
+            codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            m = -128.0 * d
         else:
-            m = -8.0 * d
-        qs = blocks[..., -16:]
-        codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(n, k)
+            if kind == "Q4_1":
+                m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            else:
+                m = -8.0 * d
+            qs = blocks[..., -16:]
+            codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+        codes = codes.reshape(n, k)
         proj = name.split(".")[-2]
         if permute and proj in heads:
             codes, d, m = (unpermute(a, heads[proj]) for a in (codes, d, m))

@@ -1,4 +1,5 @@
-"""The CPU plugin's C++ kernels (csrc/), compiled on first use with torch's extension builder
+"""The CPU plugin's C++ kernels (csrc/: paged decode attention, GGUF block linears, fused
+elementwise ops), compiled on first use with torch's extension builder
 and cached (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). Without a compiler, or
 with PAGED_CPU_NATIVE=0, `kernels()` is None and the backend uses torch ops instead."""
 
@@ -12,7 +13,11 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("paged")
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [
+    CSRC / name
+    for name in ("bindings.cpp", "elementwise.cpp", "paged_attention.cpp", "quant_linear.cpp")
+]
 
 
 @cache

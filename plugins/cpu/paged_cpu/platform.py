@@ -58,13 +58,18 @@ class CpuPlatform(Platform):
         return min(512 << 20, free // 8)  # host RAM is shared with everything else
 
     def prepare_model(self, model, config, source=None) -> None:
-        from paged_cpu.linear import pack_linears, use_gguf_int4
+        from paged_cpu.linear import pack_linears, use_gguf_blocks
 
         with torch.no_grad():
-            pack_linears(model, config.torch_dtype)
             bf16 = config.torch_dtype == torch.bfloat16
             if source is not None and source.kind == "gguf" and bf16:
-                use_gguf_int4(model, source.path, model.config)
+                use_gguf_blocks(model, source.path, model.config)
+            pack_linears(model, config.torch_dtype)  # the layers still dense
+
+    def ops(self):
+        from paged_cpu.fused_ops import fused_ops
+
+        return fused_ops()
 
     def attention_backend(self):
         from paged_cpu.attention import CpuAttentionBackend

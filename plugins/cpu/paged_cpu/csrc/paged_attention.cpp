@@ -1,7 +1,8 @@
 // Paged attention for the CPU plugin: writes new K/V into the paged cache and runs decode
 // attention straight from the cache blocks (no gathered copy of the context).
 // Cache layout: [kv_heads, num_blocks, block_size, head_dim], as CpuAttentionBackend makes it.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -16,29 +17,11 @@
 
 namespace {
 
-// x[i] = exp(x[i] - shift) for x[i] <= shift, in a loop the compiler vectorizes (libm's expf
-// does not): Cephes' expf polynomial, about 1 ulp.
+// x[i] = exp(x[i] - shift) for x[i] <= shift, returning the sum; a loop that vectorizes.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) {
-    float v = x[i] - shift;
-    v = std::max(v, -87.f);
-    const float t = v * 1.44269504088896341f;
-    const int32_t k = static_cast<int32_t>(t - 0.5f);  // round to nearest (t <= 0)
-    const float fk = static_cast<float>(k);
-    const float r = v - fk * 0.693359375f + fk * 2.12194440e-4f;
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.f;
-    const int32_t bits = (k + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    x[i] = y * scale;
+    x[i] = exp_approx(x[i] - shift);
     total += x[i];
   }
   return total;
@@ -250,8 +233,4 @@ void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tens
                        kv_heads, num_blocks, block_size, d, tables.size(1),
                        static_cast<float>(scale));
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "write K/V to the paged cache, decode attention");
 }

@@ -1,0 +1,45 @@
+// The CPU plugin's C++ entry points (bound to Python in bindings.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+// exp(v) in a form the compiler vectorizes (libm's expf does not): Cephes' expf polynomial,
+// about 1 ulp, for v in [-87, 88].
+inline float exp_approx(float v) {
+  v = v < -87.f ? -87.f : (v > 88.f ? 88.f : v);
+  const float t = v * 1.44269504088896341f;
+  const int32_t k = static_cast<int32_t>(t < 0.f ? t - 0.5f : t + 0.5f);  // nearest
+  const float fk = static_cast<float>(k);
+  const float r = v - fk * 0.693359375f + fk * 2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.f;
+  const int32_t bits = (k + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                  torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+                  torch::Tensor seq_lens, torch::Tensor out, int64_t reqs, double scale);
+
+bool q8_linear_native();
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        std::optional<torch::Tensor> bias);
+
+torch::Tensor rms_norm_bf16(torch::Tensor x, std::optional<torch::Tensor> residual,
+                            torch::Tensor weight, double eps);
+std::vector<torch::Tensor> rotary_bf16(torch::Tensor positions, torch::Tensor q, torch::Tensor k,
+                                       torch::Tensor cos_sin);
+torch::Tensor silu_and_mul_bf16(torch::Tensor x);

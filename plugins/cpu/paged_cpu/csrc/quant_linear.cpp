@@ -1,0 +1,220 @@
+// Linear layers on GGUF block weights with 8-bit activations, as llama.cpp computes them.
+//
+// A weight is stored as its file's blocks of 32 along K: an unsigned code c per element and,
+// per (output column, block), a scale d and an offset m, so w = d * c + m (Q4_0, Q4_1, and
+// Q8_0 with c = q + 128, m = -128 d). Each row of x is quantized per block of 32 to int8 q
+// with a scale s (x ~ s * q, as llama.cpp's Q8_1), so one block contributes
+//     d * s * sum(c * q) + m * s * sum(q)
+// and sum(c * q) is an exact integer dot product: AVX-512 VNNI's u8 x s8 vpdpbusd.
+//
+// Packed weight layout (pack_codes in linear.py): [N / 16, K / 32, 8, 16, 4] uint8, so one
+// 64-byte load holds 4 consecutive k of 16 output columns; scales [N / 16, K / 32, 2, 16]
+// float (d, then m).
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QB = 32;  // block length along K
+constexpr int64_t NT = 16;  // output columns per tile: one register of floats
+
+inline float bf16_to_float(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One row of x (K elements) -> int8 codes, and per block: s and s * sum(q).
+void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* s, float* sq) {
+  for (int64_t b = 0; b < K / QB; ++b) {
+    const at::BFloat16* xb = x + b * QB;
+#if defined(__AVX512F__)
+    auto load = [](const at::BFloat16* p) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    };
+    const __m512 lo = load(xb), hi = load(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // round to nearest even
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QB + 16), _mm512_cvtepi32_epi8(qhi));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+    float v[QB];
+    float amax = 0.f;
+    for (int64_t i = 0; i < QB; ++i) {
+      v[i] = bf16_to_float(xb[i]);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < QB; ++i) {
+      const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      q[b * QB + i] = static_cast<int8_t>(c);
+      total += c;
+    }
+#endif
+    s[b] = amax / 127.f;
+    sq[b] = s[b] * static_cast<float>(total);
+  }
+}
+
+// Output rows [m0, m0 + R) x columns of tiles [t0, t0 + T).
+template <int R, int T>
+void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, const uint8_t* w,
+               const float* dm, const float* bias, at::BFloat16* y, int64_t N, int64_t t0) {
+  const int64_t nb = K / QB;
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  __m512 acc[R][T];
+  for (int t = 0; t < T; ++t) {
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + (t0 + t) * NT) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[r][t] = bv;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) dot[r][t] = _mm512_setzero_si512();
+    for (int g = 0; g < QB / 4; ++g) {
+      __m512i wv[T];
+      for (int t = 0; t < T; ++t)
+        wv[t] = _mm512_loadu_si512(w + (((t0 + t) * nb + b) * (QB / 4) + g) * NT * 4);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, q + r * K + b * QB + g * 4, sizeof four);
+        const __m512i xv = _mm512_set1_epi32(four);
+        for (int t = 0; t < T; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xv);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const float* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
+      const __m512 d = _mm512_loadu_ps(dmb), m = _mm512_loadu_ps(dmb + NT);
+      for (int r = 0; r < R; ++r) {
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(s[r * nb + b]));
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), ds, acc[r][t]);
+        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sq[r * nb + b]), acc[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t n = (t0 + t) * NT;
+    for (int r = 0; r < R; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(acc[r][t]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * N + n), (__m256i)out);
+    }
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t)
+      for (int64_t j = 0; j < NT; ++j) {
+        const int64_t n = (t0 + t) * NT + j;
+        float acc = bias ? bias[n] : 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = 0; k < QB; ++k) {
+            const uint8_t c = w[((((t0 + t) * nb + b) * (QB / 4) + k / 4) * NT + j) * 4 + k % 4];
+            dot += static_cast<int32_t>(c) * q[r * K + b * QB + k];
+          }
+          const float* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
+          acc += dmb[j] * s[r * nb + b] * static_cast<float>(dot) + dmb[NT + j] * sq[r * nb + b];
+        }
+        y[r * N + n] = static_cast<at::BFloat16>(acc);
+      }
+#endif
+}
+
+#ifndef Q8_RMAX
+#define Q8_RMAX 4
+#endif
+#ifndef Q8_TMAX
+#define Q8_TMAX 2
+#endif
+constexpr int RMAX = Q8_RMAX, TMAX = Q8_TMAX;  // rows x column tiles per register block
+
+using TileKernel = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
+                            const float*, const float*, at::BFloat16*, int64_t, int64_t);
+
+template <int... I>
+constexpr std::array<TileKernel, sizeof...(I)> make_table(std::integer_sequence<int, I...>) {
+  return {gemm_tile<I / TMAX + 1, I % TMAX + 1>...};
+}
+
+// The kernel for R rows (1..RMAX) by T column tiles (1..TMAX).
+TileKernel tile_kernel(int R, int T) {
+  static constexpr auto table = make_table(std::make_integer_sequence<int, RMAX * TMAX>{});
+  return table[(R - 1) * TMAX + (T - 1)];
+}
+
+}  // namespace
+
+bool q8_linear_native() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                        std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: [M, K] bfloat16");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+              "codes: [N/16, K/32, 8, 16, 4] uint8");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous(),
+              "scales: [N/16, K/32, 2, 16] float");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), tiles = codes.size(0), N = tiles * NT,
+                nb = K / QB;
+  TORCH_CHECK(K % QB == 0 && codes.size(1) == nb, "x: K does not match the weight");
+  std::optional<torch::Tensor> b32;
+  if (bias) b32 = bias->to(torch::kFloat).contiguous();
+
+  auto q = torch::empty({M, K}, torch::kInt8);
+  auto s = torch::empty({M, nb}, torch::kFloat);
+  auto sq = torch::empty({M, nb}, torch::kFloat);
+  auto y = torch::empty({M, N}, x.options());
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  auto* qp = q.data_ptr<int8_t>();
+  auto* sp = s.data_ptr<float>();
+  auto* sqp = sq.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(xp + m * K, K, qp + m * K, sp + m * nb, sqp + m * nb);
+  });
+
+  // Work items: (a chunk of up to 64 rows, TMAX column tiles); the rows reuse the tiles'
+  // weights from cache.
+  constexpr int64_t RC = 64;
+  const int64_t row_chunks = (M + RC - 1) / RC, tile_runs = (tiles + TMAX - 1) / TMAX;
+  const auto* wp = codes.data_ptr<uint8_t>();
+  const auto* dmp = scales.data_ptr<float>();
+  const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, row_chunks * tile_runs, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = (i / tile_runs) * RC, r1 = std::min(M, r0 + RC);
+      const int64_t t = (i % tile_runs) * TMAX;
+      const int T = static_cast<int>(std::min<int64_t>(TMAX, tiles - t));
+      for (int64_t m = r0; m < r1; m += RMAX) {
+        const int R = static_cast<int>(std::min<int64_t>(RMAX, r1 - m));
+        tile_kernel(R, T)(qp + m * K, sp + m * nb, sqp + m * nb, K, wp, dmp, bp, yp + m * N, N,
+                          t);
+      }
+    }
+  });
+  return y;
+}
