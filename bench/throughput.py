@@ -126,6 +126,13 @@ def main() -> None:
         first = rep == 0
         for dtype in ("bfloat16", "float32") if first else ("bfloat16",):
             record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
+        if first:  # bf16 without the GGUF block linears (8-bit activations): dense weights
+            os.environ["PAGED_CPU_GGUF_BLOCKS"] = "0"
+            record(
+                f"paged bfloat16 dense (PAGED_CPU_GGUF_BLOCKS=0), {n} prompts x {m} tokens",
+                bench_paged(path, ids, m, "bfloat16"),
+            )
+            del os.environ["PAGED_CPU_GGUF_BLOCKS"]
         record(
             f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
             _batch1(path, ids[: args.batch1_prompts], m),
