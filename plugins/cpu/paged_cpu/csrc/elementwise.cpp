@@ -11,36 +11,23 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using bf16 = at::BFloat16;
 
-inline float f32(bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float f32(bf16 v) { return bf16_to_float(v); }
 inline float round_bf16(float v) { return f32(static_cast<bf16>(v)); }
 
 constexpr int64_t GRAIN = 16;  // rows per thread chunk: small batches stay on one thread
 
 #if defined(__AVX512BF16__)
 #define PAGED_VEC 16  // floats per vector
-inline __m512 load(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load(const bf16* p) { return load_bf16x16(p); }
 inline void store(bf16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
 inline __m512 round_bf16(__m512 v) {  // to the nearest bfloat16, as a float
-  const __m256i raw = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen_bf16x16((__m256i)_mm512_cvtneps_pbh(v));
 }
 // exp_approx (ops.h) on 16 lanes.
 inline __m512 exp_approx(__m512 v) {

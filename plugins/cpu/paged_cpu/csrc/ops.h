@@ -8,6 +8,28 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// A bfloat16 as a float: its bits are the float's upper half.
+inline float bf16_to_float(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+// 16 bfloat16 values (raw bits) as floats in one register.
+inline __m512 widen_bf16x16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // exp(v) in a form the compiler vectorizes (libm's expf does not): Cephes' expf polynomial,
 // about 1 ulp, for v in [-87, 88].
 inline float exp_approx(float v) {

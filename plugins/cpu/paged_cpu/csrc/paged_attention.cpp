@@ -11,9 +11,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -31,12 +28,7 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 inline float f32(const float* p, int64_t i) { return p[i]; }
 inline float f32(const double* p, int64_t i) { return static_cast<float>(p[i]); }
 inline float f32(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float f32(const at::BFloat16* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float f32(const at::BFloat16* p, int64_t i) { return bf16_to_float(p[i]); }
 
 // Row of token t (of kv head h) in a [kv_heads, blocks, block_size, d] cache, via the table.
 template <typename T>
@@ -48,10 +40,7 @@ inline const T* cache_row(const T* cache, int64_t h, int64_t num_blocks, int64_t
 #if defined(__AVX512F__)
 // 16 elements as floats in one register.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const at::BFloat16* p) { return load_bf16x16(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

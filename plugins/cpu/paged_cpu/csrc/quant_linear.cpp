@@ -21,32 +21,18 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
 constexpr int64_t QB = 32;  // block length along K
 constexpr int64_t NT = 16;  // output columns per tile: one register of floats
 
-inline float bf16_to_float(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // One row of x (K elements) -> int8 codes, and per block: s and s * sum(q).
 void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* s, float* sq) {
   for (int64_t b = 0; b < K / QB; ++b) {
     const at::BFloat16* xb = x + b * QB;
 #if defined(__AVX512F__)
-    auto load = [](const at::BFloat16* p) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    };
-    const __m512 lo = load(xb), hi = load(xb + 16);
+    const __m512 lo = load_bf16x16(xb), hi = load_bf16x16(xb + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // round to nearest even
@@ -137,13 +123,7 @@ void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, cons
 #endif
 }
 
-#ifndef Q8_RMAX
-#define Q8_RMAX 4
-#endif
-#ifndef Q8_TMAX
-#define Q8_TMAX 2
-#endif
-constexpr int RMAX = Q8_RMAX, TMAX = Q8_TMAX;  // rows x column tiles per register block
+constexpr int RMAX = 4, TMAX = 2;  // rows x column tiles per register block
 
 using TileKernel = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
                             const float*, const float*, at::BFloat16*, int64_t, int64_t);
