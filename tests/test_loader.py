@@ -16,6 +16,7 @@ from paged.model.loader import (
     ModelLoadError,
     ModelSource,
     default_model_path,
+    iter_weight_blocks,
     iter_weights,
     load_config,
     load_tokenizer,
@@ -170,6 +171,21 @@ def test_gguf_tokenizer_cache(default_src, tmp_path, monkeypatch):
     assert fast.decode(ids) == text
     for attr in ("bos_token", "eos_token", "pad_token", "bos_token_id", "eos_token_id"):
         assert getattr(fast, attr) == getattr(slow, attr), attr
+
+
+def test_gguf_blocks_cache(default_src, default_cfg, tmp_path, monkeypatch):
+    """The stored blocks come back from the cache equal to a fresh read of the file."""
+    from paged.model.gguf_loader import iter_gguf_blocks
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    fresh = {name: rest for name, *rest in iter_gguf_blocks(default_src.path, default_cfg)}
+    built = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
+    assert len(list((tmp_path / "blocks").iterdir())) == 1
+    cached = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
+    assert set(fresh) == set(built) == set(cached) and len(fresh) == 7 * 30 + 1
+    for name, arrays in fresh.items():
+        for want, a, b in zip(arrays, built[name], cached[name]):
+            assert torch.equal(a, torch.from_numpy(want)) and torch.equal(b, a), name
 
 
 class _Saved:

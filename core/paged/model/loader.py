@@ -1,9 +1,10 @@
 """Find a model and load its config, tokenizer and weights: HF safetensors dirs and GGUF files.
 
 Nothing here downloads: a model is a local directory (config.json + *.safetensors) or a .gguf
-file. GGUF metadata is slow to parse, so the tokenizer, config and dequantized weights converted
-from a GGUF file are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in
-tokenizers/<key>, configs/<key> and weights/<key>, keyed by the file's name, size and mtime.
+file. GGUF metadata is slow to parse, so the tokenizer, config, dequantized weights and stored
+blocks (for platforms that compute on them) read from a GGUF file are cached under
+$PAGED_CACHE_DIR (default ~/.cache/paged) in tokenizers/<key>, configs/<key>, weights/<key> and
+blocks/<key>, keyed by the file's name, size and mtime.
 """
 
 from __future__ import annotations
@@ -176,6 +177,36 @@ def iter_weights(
         build=lambda: _Tensors(iter_gguf(src.path, config, progress)),
     )
     return iter(obj.items()) if isinstance(obj, _Tensors) else obj
+
+
+def iter_weight_blocks(
+    src: ModelSource, config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A GGUF's Q4_0/Q4_1/Q8_0 tensors as their stored blocks, (HF name, codes, d, m) as in
+    gguf_loader.iter_gguf_blocks, cached like the dequantized weights (the file's metadata
+    parse takes seconds)."""
+    from paged.model.gguf_loader import iter_gguf_blocks
+    from paged.model.hf_loader import iter_safetensors
+
+    def build() -> _Tensors:
+        import torch
+
+        tensors = _Tensors()
+        for name, *arrays in iter_gguf_blocks(src.path, config):
+            for part, array in zip(("codes", "d", "m"), arrays):
+                tensors[f"{name}:{part}"] = torch.from_numpy(array)
+        return tensors
+
+    obj = _cached(
+        "blocks",
+        src.path,
+        load=lambda d: _Tensors(iter_safetensors(d, progress=False)),
+        build=build,
+    )
+    for key in obj:
+        name, _, part = key.rpartition(":")
+        if part == "codes":
+            yield name, obj[key], obj[f"{name}:d"], obj[f"{name}:m"]
 
 
 class _Tensors(dict):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -110,17 +109,17 @@ def pack_blocks(
     return packed, dm.float().contiguous()
 
 
-def use_gguf_blocks(model: nn.Module, path: str, hf_config) -> int:
+def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
     """Give each bf16 linear layer whose every piece is a Q4_0/Q4_1/Q8_0 tensor of the GGUF
-    file at `path` those blocks (stacked q/k/v and gate/up rows concatenated; a tied output
+    model `source` those blocks (stacked q/k/v and gate/up rows concatenated; a tied output
     head its embedding's). Returns how many layers were replaced."""
-    from paged.model.gguf_loader import iter_gguf_blocks
+    from paged.model.loader import iter_weight_blocks
 
     if os.environ.get("PAGED_CPU_GGUF_BLOCKS", "1") == "0" or not gguf_blocks_available():
         return 0
     tied = getattr(model, "tied", False)
     quant = {}
-    for name, *arrays in iter_gguf_blocks(path, hf_config):
+    for name, *arrays in iter_weight_blocks(source, hf_config):
         name = name.removeprefix("model.").removesuffix(".weight")
         quant["lm_head" if tied and name == "embed_tokens" else name] = arrays
     stacked = getattr(model, "stacked", {})
@@ -139,9 +138,7 @@ def use_gguf_blocks(model: nn.Module, path: str, hf_config) -> int:
         except AttributeError:
             continue
         hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
-        codes, d, m = (
-            torch.from_numpy(np.concatenate([quant[h][i] for h in hfs])) for i in range(3)
-        )
+        codes, d, m = (torch.cat([quant[h][i] for h in hfs]) for i in range(3))
         weight = getattr(mod, "weight", None)
         if weight is None or codes.shape != weight.shape or codes.shape[0] % 16:
             continue  # a stacked layer with a piece in another format, or an odd shape: dense

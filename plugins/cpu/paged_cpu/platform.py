@@ -63,7 +63,7 @@ class CpuPlatform(Platform):
         with torch.no_grad():
             bf16 = config.torch_dtype == torch.bfloat16
             if source is not None and source.kind == "gguf" and bf16:
-                use_gguf_blocks(model, source.path, model.config)
+                use_gguf_blocks(model, source, model.config)
             pack_linears(model, config.torch_dtype)  # the layers still dense
 
     def ops(self):
