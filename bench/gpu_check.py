@@ -4,6 +4,9 @@
 
 float32: greedy tokens must be identical, CUDA graphs on and off. bfloat16: logprobs of the
 tokens paged chose, against HF's bfloat16 forward over the same sequence (teacher forcing).
+Long prompts (--long, default 3000, 5000 and 9000 tokens: 2 to 5 prefill chunks of the
+default 2048-token step budget) in float32 against HF, with and without overlapped steps,
+and in bfloat16 (logprobs against the float32 truth).
 Also measures the ceilings (copy bandwidth, bf16 matmul rate). Needs a CUDA device.
 """
 
@@ -71,6 +74,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--long", default="3000,5000,9000", help="long prompt lengths ('' skips)")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -80,7 +84,7 @@ def main() -> None:
     report: dict = {"device": torch.cuda.get_device_name(0), "ceilings": ceilings()}
     print("ceilings", report["ceilings"], flush=True)
     shape = dict(
-        SHAPES["llama-3.2-1b"], num_hidden_layers=args.layers, max_position_embeddings=4096
+        SHAPES["llama-3.2-1b"], num_hidden_layers=args.layers, max_position_embeddings=16384
     )
     cfg = LlamaConfig(**shape)
     cfg.architectures = ["LlamaForCausalLM"]
@@ -175,9 +179,56 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     report["bf16_graphs_vs_eager_identical"] = toks[False] == toks[True]
+    if args.long:
+        long_prompts(args, report, hf, tmp, cfg.vocab_size)
     print(json.dumps(report, indent=1), flush=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def long_prompts(args, report: dict, hf, path: str, vocab: int) -> None:
+    """Prompts of several prefill chunks: float32 greedy against HF, and bf16 logprobs."""
+    from paged import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    lens = [int(x) for x in args.long.split(",")]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+    n = 16
+    t = time.perf_counter()
+    ref = [hf_greedy(hf, p, n) for p in prompts]
+    print(f"HF fp32 long-prompt reference in {time.perf_counter() - t:.1f}s", flush=True)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+    for name, dtype, flags in (
+        ("fp32", "float32", {}),
+        ("fp32_no_overlap", "float32", {"async_scheduling": False}),
+        ("bf16", "bfloat16", {}),
+    ):
+        llm = LLM(path, dtype=dtype, max_model_len=16384, gpu_memory_utilization=0.5,
+                  max_num_seqs=16, **flags)  # fmt: skip
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        took = time.perf_counter() - t
+        got = [o.outputs[0].token_ids for o in outs]
+        key = f"long_{name}"
+        report[key + "_seconds"] = round(took, 2)
+        if dtype == "float32":
+            same = [a == b for a, b in zip(got, ref)]
+            report[key + "_identical"] = f"{sum(same)}/{len(same)}"
+        else:
+            diffs = []
+            for p, o in zip(prompts, outs):
+                gen = o.outputs[0].token_ids
+                ours = [e[tok] for e, tok in zip(o.outputs[0].logprobs, gen)]
+                diffs += [abs(a - b) for a, b in zip(ours, hf_logprobs(hf, p, gen))]
+            report[key + "_logprob_absdiff_vs_fp32"] = {
+                "mean": round(sum(diffs) / len(diffs), 5),
+                "max": round(max(diffs), 4),
+            }
+        print(key, {k: v for k, v in report.items() if k.startswith(key)}, flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    report["long_prompt_lengths"] = lens
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync")
+PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync", "long")
 RESERVE_S = 15  # kept back from the budget to write the results
 # Floors from issue 4 (one H200, Llama-3.1-8B shape, bf16).
 FLOOR_TPOT_MS, FLOOR_TP_TOK_S, FLOOR_TTFT_MS, FLOOR_ITL_MS = 5.0, 15000.0, 60.0, 10.0
@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a(f"--{name}-timeout", type=float, default=t, help="seconds")
     a("--latency-eager-timeout", type=float, default=120, help="seconds")
     a("--latency-sync-timeout", type=float, default=120, help="seconds")
+    a("--long-input", type=int, default=32000, help="long: one prompt of this many tokens")
+    a("--long-output", type=int, default=128)
+    a("--long-timeout", type=float, default=240, help="seconds")
     a("--_ceilings", default=None, help=argparse.SUPPRESS)  # internal: the ceilings child
     return ap.parse_args(argv)
 
@@ -235,6 +238,19 @@ def phase_latency_sync(args, out: Path, timeout: float) -> dict:
     return _latency(args, out, timeout, "sync")
 
 
+def phase_long(args, out: Path, timeout: float) -> dict:
+    """One long prompt, chunked by the default step budget (2048 tokens: 16 chunks for
+    32,000), then decode at that depth."""
+    path = out / "long.json"
+    cmd = paged("bench", "latency", *_model_args(args), "--batch-size", 1,
+                "--input-len", args.long_input, "--output-len", args.long_output,
+                "--max-model-len", args.long_input + args.long_output,
+                "--num-iters-warmup", 1, "--num-iters", 2, "--save-json", path,
+                "--disable-tqdm")  # fmt: skip
+    rc = run("long", cmd, timeout, out / "logs")
+    return {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
+
+
 def phase_throughput(args, out: Path, timeout: float) -> dict:
     path = out / "throughput.json"
     cmd = paged("bench", "throughput", *_model_args(args), "--num-prompts", args.tp_prompts,
@@ -332,6 +348,7 @@ RUNNERS = {
     "serve": phase_serve,
     "latency-eager": phase_latency_eager,
     "latency-sync": phase_latency_sync,
+    "long": phase_long,
 }
 
 
@@ -379,6 +396,7 @@ def report(args, res: dict, started: str) -> str:
     lines += _latency_md(args, res)
     lines += _throughput_md(args, res)
     lines += _serve_md(args, res)
+    lines += _long_md(args, res)
     errors = [(k, v) for k, v in res.items() if v.get("error") or v.get("rc") not in (0, None)]
     errors += [(k, {"error": "timed out"}) for k, v in res.items() if "rc" in v and v["rc"] is None]
     for k, v in errors:
@@ -488,6 +506,20 @@ def _serve_md(args, res: dict) -> list[str]:
     if s.get("model_note"):
         out.append(f"\nserved: {s['model_note']}")
     return out + _cmds(s)
+
+
+def _long_md(args, res: dict) -> list[str]:
+    r = res.get("long")
+    if not r or "mean_ttft_ms" not in r:
+        return []
+    chunks = -(-args.long_input // 2048)
+    return [
+        f"\n### One long prompt: {args.long_input} in ({chunks} prefill chunks of 2048) / "
+        f"{args.long_output} out, batch 1\n",
+        "| TTFT ms | decode ms/token at that depth | e2e ms |",
+        "|---|---|---|",
+        f"| {_f(r['mean_ttft_ms'])} | {_f(r['mean_tpot_ms'])} | {_f(r['mean_e2el_ms'], '.1f')} |",
+    ] + _cmds(r)
 
 
 def _git_rev() -> str:

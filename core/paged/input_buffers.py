@@ -1,8 +1,10 @@
 """Packs a scheduled batch into two flat host buffers (numpy index math, no per-token Python)
 and moves them to the device in two copies; every per-step tensor is a view of those.
 
-Two sets of host buffers alternate, so that packing a step never overwrites what the copy of
-the step before (possibly still queued on the device) reads."""
+Two sets of host buffers alternate. The copies are asynchronous where the buffers are pinned:
+a set is reused only after the device has run the copies made from it two steps earlier (an
+event recorded after them). Steps that sample wait for their results anyway, but a long prompt's
+middle chunks do not, and the host can run several chunks ahead of the device."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class InputBuffers:
             )
             for _ in range(2)
         ]
+        self.copied: list = [None, None]  # per set: an event after its last copies, or None
         self.turn = 0
 
     def pack(
@@ -44,8 +47,12 @@ class InputBuffers:
         """(input ids, positions, metadata, logits rows, fills). Input tokens that are still
         placeholders (sampled by the step in flight) are listed in `fills`, a [2, n] device
         tensor of (input index, row of the previous step's sampled tokens, from `prev_rows`)."""
-        self.i64, self.i32 = self.sets[self.turn]
+        turn = self.turn
         self.turn ^= 1
+        if self.copied[turn] is not None:  # the device may still be reading this set
+            self.copied[turn].synchronize()
+            self.copied[turn] = None
+        self.i64, self.i32 = self.sets[turn]
         reqs, bs = batch.reqs, self.block_size
         b = len(reqs)
         q = np.asarray(batch.num_new, dtype=np.int64)
@@ -84,8 +91,9 @@ class InputBuffers:
         n32[1 : b + 1] = ends
         n32[b + 1 : 2 * b + 1] = seq
         n32[2 * b + 1 : 2 * b + 1 + b * width] = table.ravel()
-        d64 = self.i64[:end].to(self.device, non_blocking=True)
-        d32 = self.i32[: 2 * b + 1 + b * width].to(self.device, non_blocking=True)
+        d64 = self.to_device(self.i64[:end])
+        d32 = self.to_device(self.i32[: 2 * b + 1 + b * width])
+        self.copied[turn] = self.mark_copied()
         seq_list = seq.tolist()
         meta = AttentionMetadata(
             num_reqs=b,
@@ -102,3 +110,15 @@ class InputBuffers:
         )
         fill = d64[3 * t + nl :].view(2, -1) if fills else None
         return d64[:t], d64[t : 2 * t], meta, d64[3 * t : 3 * t + nl], fill
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, non_blocking=True)
+
+    def mark_copied(self):
+        """An event that completes once the copies queued so far have run (None: synchronous,
+        as on the CPU, where the "device" tensors are the host buffers themselves)."""
+        if self.device.type == "cpu":
+            return None
+        event = torch.Event(device=self.device)
+        event.record()
+        return event

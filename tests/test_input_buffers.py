@@ -1,0 +1,63 @@
+"""InputBuffers against a device that runs its copies late, as a GPU stream does when the host
+runs several prefill chunks ahead (the cause of long-prompt crashes on the H200)."""
+
+from __future__ import annotations
+
+import torch
+
+from paged.engine.request import Request
+from paged.engine.scheduler import Batch
+from paged.input_buffers import InputBuffers
+from paged.sampling.params import SamplingParams
+
+
+class LateDevice(InputBuffers):
+    """Copies are queued and run only when an event after them is waited on, or at the end."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host view, device copy)
+        self.ran = 0  # copies of the queue already run
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        dst = torch.full(host.shape, -7, dtype=host.dtype)
+        self.queue.append((host, dst))  # the host view is read when the copy runs
+        return dst
+
+    def run_device(self, upto: int | None = None) -> None:
+        for host, dst in self.queue[self.ran : upto]:
+            dst.copy_(host)
+        self.ran = max(self.ran, len(self.queue) if upto is None else upto)
+
+    def mark_copied(self):
+        device, mark = self, len(self.queue)
+
+        class Event:
+            def synchronize(self) -> None:
+                device.run_device(mark)
+
+        return Event()
+
+
+def _chunk(req: Request, n: int) -> Batch:
+    return Batch([req], [n], 0)
+
+
+def test_host_buffers_are_not_reused_before_the_device_copied_them():
+    bs, chunk = 16, 32
+    bufs = LateDevice(chunk, 4, 16, bs, torch.device("cpu"), False)
+    req = Request("long", list(range(1, 4 * chunk + 1)), SamplingParams())
+    expected, got = [], []
+    for _ in range(4):  # four chunks of one long prompt, none of them sampling
+        s = req.num_computed_tokens
+        req.block_ids = list(range(100, 100 + (s + chunk) // bs))  # the scheduler's growth
+        ids, pos, meta, _, _ = bufs.pack(_chunk(req, chunk))
+        expected.append((req.token_ids[s : s + chunk], list(range(s, s + chunk)), s + chunk))
+        got.append((ids, pos, meta))
+        req.num_computed_tokens += chunk
+    bufs.run_device()
+    for (ids, pos, meta), (e_ids, e_pos, e_seq) in zip(got, expected):
+        assert ids.tolist() == e_ids
+        assert pos.tolist() == e_pos
+        assert meta.seq_lens.tolist() == [e_seq]
+        assert meta.block_tables.tolist() == [list(range(100, 100 + e_seq // bs))]
