@@ -65,6 +65,7 @@ def test_step_exception_fails_its_requests_not_the_server(http, srv):
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["type"] == "server_error" and "engine" in err["message"], err
+    assert set(err) == {"message", "type", "param", "code"}, err
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json=greedy([5, 6, 7], 3))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -72,8 +73,17 @@ def test_step_exception_fails_its_requests_not_the_server(http, srv):
     assert "step failed" in srv.log.read_text()  # the details go to the log
 
 
+ABORTED = 'paged:request_success_total{finished_reason="abort",'
+
+
+def aborted_count(text: str) -> float:
+    return next(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(ABORTED))
+
+
 def test_disconnects_abort_and_free_blocks(http, srv):
-    before = metric(http.get("/metrics").text, "paged:generation_tokens_total")
+    m0 = http.get("/metrics").text
+    before = metric(m0, "paged:generation_tokens_total")
+    aborted, e2e = aborted_count(m0), metric(m0, "paged:e2e_request_latency_seconds_count")
     with httpx.stream("POST", srv.url + "/v1/completions", json=greedy([SLOW, 8], 120, True)) as r:
         lines = r.iter_lines()
         for _ in range(3):
@@ -83,6 +93,13 @@ def test_disconnects_abort_and_free_blocks(http, srv):
     m = wait_idle(http)
     # either request alone would have made 120 tokens (at 50 ms a step) without its abort
     assert metric(m, "paged:generation_tokens_total") - before < 120
+    # both are counted as aborted, and their latency observed
+    end = time.monotonic() + 5
+    while aborted_count(m) - aborted < 2 and time.monotonic() < end:
+        time.sleep(0.05)
+        m = http.get("/metrics").text
+    assert aborted_count(m) - aborted == 2
+    assert metric(m, "paged:e2e_request_latency_seconds_count") - e2e == 2
 
 
 def test_kv_pressure_preempts_and_every_request_completes(http):
@@ -145,6 +162,7 @@ def test_engine_death_health_503_inflight_errors_exit_1(srv):
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["type"] == "service_unavailable" and "engine" in err["message"]
+    assert "code" in err and "restart" not in err["message"], err  # the server exits
     check_error(got["r"], 503)
     try:  # until it exits, the server says it is unhealthy and refuses work
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 503

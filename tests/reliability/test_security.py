@@ -5,6 +5,7 @@ paths or stack traces in errors."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import json
 import shutil
@@ -145,10 +146,11 @@ def test_chat_template_sandbox(tiny_model, tmp_path, template):
     from paged.server.serving import Serving
 
     marker = tmp_path / "pwned"
-    engine = SimpleNamespace(tokenizer=load_tokenizer(resolve_model(tiny_model)))
+    tok = load_tokenizer(resolve_model(tiny_model))
+    engine = SimpleNamespace(tokenizer=tok, info={"max_model_len": 256})
     sv = Serving(engine, "tiny", template.replace("MARKER", str(marker)))  # type: ignore[arg-type]
     try:
-        text, _ = sv.render_chat([ChatMessage(role="user", content="hi")])
+        text, _ = asyncio.run(sv.render_chat([ChatMessage(role="user", content="hi")]))
     except APIError as e:
         assert e.status == 400 and e.param == "messages"
     else:

@@ -137,3 +137,48 @@ def test_engine_startup_errors(tiny_model, tmp_path, kind, expect):
         EngineCore(EngineConfig(model=model, **kw))
     assert expect in str(info.value), info.value
     assert time.monotonic() - t0 < 30
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def test_engine_core_ends_with_a_killed_server(tiny_model, tmp_path):
+    """kill -9 of the HTTP process (no handler runs) must not leave the core computing."""
+    srv = start_server([tiny_model, *TINY_ARGS], tmp_path / "server.log",
+                       {"PAGED_TEST_STEP_DELAY": "0.05"})  # fmt: skip
+    core = srv.core_pid()
+    try:
+        body = {"prompt": [5, 6], "max_tokens": 200, "ignore_eos": True, "n": 8}
+        threads = [
+            threading.Thread(target=stream_events, args=(srv.url, body | {"stream": True}, {}))
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # busy: 32 sequences, ~10 s of steps left
+        srv.proc.kill()
+        srv.proc.wait(5)
+        deadline = time.monotonic() + 5
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(core), "the engine core outlived its server"
+        for t in threads:
+            t.join(10)
+    finally:
+        stop_server(srv)
+        if _alive(core):
+            os.kill(core, signal.SIGKILL)
+
+
+def test_sighup_drains_like_sigterm(tiny_model, tmp_path):
+    srv = start_server([tiny_model, *TINY_ARGS], tmp_path / "server.log")
+    try:
+        srv.proc.send_signal(signal.SIGHUP)
+        assert srv.proc.wait(timeout=30) == 0  # drained and stopped, not killed by the signal
+    finally:
+        stop_server(srv)

@@ -146,3 +146,24 @@ def test_chat_logprobs_streamed(client):
                 for e in c.choices[0].logprobs.content]  # fmt: skip
     assert [e.token for e in streamed] == [e.token for e in full]
     assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in full]
+
+
+def test_vllm_compatible_details(client, http):
+    """Where vLLM's own server tests found paged answering differently."""
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  logprobs=0)  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert [list(top) for top in lp.top_logprobs] == [[t] for t in lp.tokens]  # the sampled one
+    body = {"prompt": PROMPT, "max_tokens": 1, "stream_options": {"include_usage": True}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "model": ""})
+    assert r.status_code == 200, r.text
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["root"] == card["id"] and card["parent"] is None
+    for seed, status in ((2**63 - 1, 200), (-(2**63), 200), (2**63, 400)):
+        body = {"prompt": PROMPT, "max_tokens": 2, "seed": seed, "n": 2}
+        assert http.post("/v1/completions", json=body).status_code == status, seed
+    r = http.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 1})
+    msg = r.json()["error"]["message"]
+    assert "out of vocabulary" in msg and "49152" in msg, msg

@@ -83,7 +83,8 @@ def app_client():
     async def health() -> dict:
         return {}
 
-    state = SimpleNamespace(api_key="k", max_body=1000, draining=False, inflight=0)
+    state = SimpleNamespace(api_key="k", max_body=1000, draining=False, inflight=0,
+                            body_timeout=5.0, max_pending_body=1 << 20, pending_body=0)  # fmt: skip
     with TestClient(Guard(app, state), headers={"Authorization": "Bearer k"}) as c:
         yield c
 

@@ -17,7 +17,9 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from paged.sampling.params import SamplingParams
 log = logging.getLogger("paged")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 REJECTED = "rejected"  # finish_reason of a request the core refused in add_request
+HEARTBEAT_S = 1.0  # the core process says it is alive this often
 
 
 class EngineDeadError(RuntimeError):
@@ -45,15 +48,39 @@ class EngineStepError(RuntimeError):
 
 
 # ---- the core process ------------------------------------------------------------------
-def _core_main(config: EngineConfig, addr_in: str, addr_out: str, log_level: str) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to kill this process when the server process ends, however it ends
+    (Linux; elsewhere the loop's parent check does it), and exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        raise SystemExit(1)
+
+
+def _core_main(
+    config: EngineConfig, addr_in: str, addr_out: str, log_level: str, parent: int
+) -> None:
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the server's to handle: it drains, stops us
+    # The server's to handle: it drains, then stops us.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    _die_with_parent(parent)
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.SNDHWM, 0)  # outputs queue here, never block the step loop
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(addr_in)
     push.connect(addr_out)
-    send = lambda *msg: push.send(pickle.dumps(msg, 5))
+
+    def send(*msg: Any) -> None:
+        try:
+            push.send(pickle.dumps(msg, 5), zmq.NOBLOCK)
+        except zmq.Again:  # no server to take it: the parent check ends the loop
+            pass
+
     try:
         from paged.engine.core import EngineCore
 
@@ -67,19 +94,40 @@ def _core_main(config: EngineConfig, addr_in: str, addr_out: str, log_level: str
     info = dict(max_model_len=core.max_model_len, vocab_size=core.vocab_size, model_name=name)
     info |= dict(num_blocks=core.num_blocks, block_size=config.block_size, pid=os.getpid())
     send("ready", info | dict(platform=core.platform.name, dtype=config.dtype))
+    stop = threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(ctx, addr_out, stop), daemon=True)
+    beat.start()
     try:
-        _core_loop(core, pull, send)
+        _core_loop(core, pull, send, parent)
     finally:
+        stop.set()
+        beat.join(2)
         push.close(linger=1000)
         pull.close(linger=0)
 
 
-def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None]) -> None:
+def _heartbeat(ctx: zmq.Context, addr_out: str, stop: threading.Event) -> None:
+    """Tell the server every HEARTBEAT_S that this process runs (its /health turns 503 when
+    the beats stop: the process is stopped, swapped out or wedged)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr_out)
+    msg = pickle.dumps(("alive",), 5)
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            sock.send(msg, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+    sock.close(linger=0)
+
+
+def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None], parent: int) -> None:
     from paged.engine.request import Status
 
-    ppid = os.getppid()
     arrivals: dict[str, float] = {}  # requests not yet scheduled -> arrival time
     while True:
+        if os.getppid() != parent:  # the server is gone: nobody reads what we compute
+            log.error("the server process is gone; the engine core exits")
+            return
         rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
         timeout, got = (0 if core.has_unfinished() else 1000), False
         while pull.poll(timeout):
@@ -99,8 +147,6 @@ def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None]) -> None:
         if not core.has_unfinished():
             if got:  # report aborts and rejections even without a step
                 send("out", rejected, core.metrics(), [])
-            elif os.getppid() != ppid:  # the server is gone: don't linger
-                return
             continue
         t = time.time()
         outs = core.step()
@@ -141,6 +187,7 @@ class AsyncEngine:
         self._settled = asyncio.Event()  # ready (core and tokenizer) or dead
         self._proc: Any = None
         self._closing = False
+        self.last_heard = time.monotonic()  # the core's last message (output or heartbeat)
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -153,7 +200,7 @@ class AsyncEngine:
         self._push, self._pull = self._ctxs[0].socket(zmq.PUSH), self._ctxs[1].socket(zmq.PULL)
         self._push.bind(addr_in)
         self._pull.bind(addr_out)
-        args = (self.config, addr_in, addr_out, self.log_level)
+        args = (self.config, addr_in, addr_out, self.log_level, os.getpid())
         mp = multiprocessing.get_context("spawn")
         self._proc = mp.Process(target=_core_main, args=args, name="paged-core", daemon=True)
         self._proc.start()
@@ -219,9 +266,14 @@ class AsyncEngine:
         if self.on_dead is not None:
             self.on_dead()
 
+    def silent_for(self) -> float:
+        """Seconds since the core process last spoke."""
+        return time.monotonic() - self.last_heard
+
     async def _read_loop(self) -> None:
         while True:
             kind, *msg = pickle.loads(await self._pull.recv())
+            self.last_heard = time.monotonic()
             if kind == "out":
                 outs, self.stats, queue_times = msg
                 if self.observer is not None and queue_times:
@@ -268,15 +320,18 @@ class AsyncEngine:
         obs = self.observer
         t0 = time.monotonic()
         last = [0.0] * n
-        live = n
+        done = [False] * n
+        ended = "abort"  # how unfinished sequences end if we leave early: the client went away
         try:
-            while live:
+            while not all(done):
                 item = await q.get()
                 if isinstance(item, BaseException):
+                    ended = "error"
                     raise item
                 i, eo = item
                 if eo.error is not None:
                     bad = eo.finish_reason == REJECTED  # the core refused it: a client error
+                    ended = "rejected" if bad else "error"
                     raise ValueError(eo.error) if bad else EngineStepError(eo.error)
                 st = states[i]
                 if st.update(eo):  # a stop string ended it: free its blocks now
@@ -286,13 +341,16 @@ class AsyncEngine:
                     obs.tokens(now - (last[i] or t0), len(eo.new_token_ids), first=not last[i])
                     last[i] = now
                 if st.finished:
-                    live -= 1
+                    done[i] = True
                     self._seqs.pop(cids[i], None)
                     if obs is not None:
                         obs.finished(st.out.finish_reason or "stop", now - t0)
                 yield SeqUpdate(i, st, eo)
         finally:
             self.abort(request_id)
+            if obs is not None and ended != "rejected":  # aborted and failed ones count too
+                for _ in range(done.count(False)):
+                    obs.finished(ended, time.monotonic() - t0)
 
     def abort(self, request_id: str) -> None:
         """Abort every sequence of a request still running (no-op once finished)."""

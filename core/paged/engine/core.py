@@ -139,14 +139,20 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(
-                f"prompt: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+                f"prompt: token id {bad} is out of vocabulary (vocabulary size {self.vocab_size})"
             )
         for t in params.stop_token_ids or []:
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary")
+                raise ValueError(
+                    f"stop_token_ids: token id {t} is out of vocabulary "
+                    f"(vocabulary size {self.vocab_size})"
+                )
         for t in params.logit_bias or {}:
             if not 0 <= int(t) < self.vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary")
+                raise ValueError(
+                    f"logit_bias: token id {t} is out of vocabulary "
+                    f"(vocabulary size {self.vocab_size})"
+                )
         params.eos_token_ids = self.eos_token_ids
         req = Request(request_id, prompt_token_ids, params)
         self.requests[request_id] = req

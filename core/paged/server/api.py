@@ -43,6 +43,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted, e.g. 8MiB (default); larger ones get 413",
     )
     g.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="most characters of text tokenized for one request; longer prompts get 400 "
+        "before any work (default: 32 per token of --max-model-len)",
+    )
+    g.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=15.0,
+        help="seconds a connection may stay open without sending a complete request head, "
+        "after connecting or after its last response (default: %(default)s)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a whole request body; slower uploads get 408 "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--health-timeout",
+        type=float,
+        default=5.0,
+        help="/health answers 503 once the engine core has been silent this many seconds "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -82,8 +110,8 @@ def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
 
 
 def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
-    """A uvicorn.Server whose first SIGINT/SIGTERM calls on_signal() (which drains, then
-    sets should_exit) and whose second one exits at once; no signal is re-raised after."""
+    """A uvicorn.Server whose first SIGINT/SIGTERM/SIGHUP calls on_signal() (which drains,
+    then sets should_exit) and whose second one exits at once; no signal is re-raised after."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -92,7 +120,7 @@ def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
             if threading.current_thread() is not threading.main_thread():
                 yield
                 return
-            sigs = (signal.SIGINT, signal.SIGTERM)
+            sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
             old = {s: signal.signal(s, self.handle_exit) for s in sigs}
             try:
                 yield
@@ -114,6 +142,7 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
     from paged.engine.async_engine import AsyncEngine
     from paged.engine.llm import load_chat_template
     from paged.server.app import ServerState, build_app
+    from paged.server.limits import raise_fd_limit, timed_h11_protocol
     from paged.server.metrics import ServerMetrics
     from paged.server.serving import Serving
 
@@ -128,13 +157,17 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
     engine = AsyncEngine(config, log_level=args.log_level, tokenizer_loader=load_tok)
     metrics = ServerMetrics(name, lambda: engine.stats)
     engine.observer = metrics
-    state = ServerState(Serving(engine, name, chat_template), metrics, api_key)
+    serving = Serving(engine, name, chat_template, args.max_prompt_chars)
+    state = ServerState(serving, metrics, api_key)
     state.max_body = args.max_request_body
     state.metrics_require_key = args.metrics_require_key
+    state.body_timeout, state.health_timeout = args.body_timeout, args.health_timeout
+    raise_fd_limit()
     uv = uvicorn.Config(
         build_app(state),
         host=args.host,
         port=args.port,
+        http=timed_h11_protocol(args.idle_timeout),
         log_level=args.log_level,
         timeout_graceful_shutdown=1,  # after our own drain (see on_signal): then cut
         lifespan="off",

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 import paged
 from paged.server.errors import error_body, install_handlers
+from paged.server.limits import MAX_JSON_DEPTH, json_depth
 from paged.server.metrics import CONTENT_TYPE, ServerMetrics
 from paged.server.protocol import (
     ChatCompletionRequest,
@@ -36,6 +37,12 @@ class ServerState:
     draining: bool = False  # after SIGTERM: new requests get 503, in-flight ones finish
     inflight: int = 0  # requests inside the app (not counting the open paths)
     metrics_require_key: bool = False  # /metrics behind the API key too
+    body_timeout: float = 30.0  # seconds to receive a whole request body (then 408)
+    health_timeout: float = 5.0  # /health is 503 once the engine is silent this long
+    # Bytes of request bodies being received at once, all connections together: stalled
+    # uploads cannot pin more memory than this (beyond it, 503 until some finish).
+    max_pending_body: int = 128 << 20
+    pending_body: int = 0
 
 
 def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -80,24 +87,54 @@ class Guard:
         msg = f"body: the request body exceeds {self.state.max_body} bytes"
         return _refuse(413, msg, "body")
 
+    async def _read_body(self, receive: Any) -> bytes | JSONResponse | None:
+        """The whole body, a refusal, or None when the client went away."""
+        st = self.state
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(st.body_timeout):
+                while True:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return None
+                    chunk = msg.get("body", b"")
+                    if size + len(chunk) > st.max_body:
+                        return self._too_big()
+                    if st.pending_body + len(chunk) > st.max_pending_body:
+                        return _refuse(503, "the server is receiving too many request bodies; "
+                                       "retry shortly")  # fmt: skip
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    st.pending_body += len(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            msg = f"body: the request body was not received within {st.body_timeout:g} s"
+            return _refuse(408, msg, "body")
+        finally:
+            st.pending_body -= size
+        body = b"".join(chunks)
+        if len(body) > 1 << 16:  # a scan of a large body: off the event loop
+            depth = await asyncio.to_thread(json_depth, body)
+        else:
+            depth = json_depth(body)
+        if depth > MAX_JSON_DEPTH:
+            return _refuse(400, f"body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "body")
+        return body
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         refusal = self._check(scope["path"], dict(scope.get("headers") or []))
         if refusal is not None:
             return await refusal(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client went away
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.state.max_body:
-                return await self._too_big()(scope, receive, send)
-            if not msg.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
+        body = await self._read_body(receive)
+        if body is None:
+            return  # the client went away
+        if isinstance(body, JSONResponse):
+            return await body(scope, receive, send)
+        replayed = False
 
         async def replay() -> dict[str, Any]:
             nonlocal replayed
@@ -142,9 +179,12 @@ def build_app(state: ServerState) -> Any:
 
     @app.get("/health")
     async def health() -> Response:
-        if sv.engine.ready and not state.draining:
+        silent = sv.engine.silent_for()
+        if sv.engine.ready and not state.draining and silent <= state.health_timeout:
             return Response(status_code=200)
         why = sv.engine.dead or ("shutting down" if state.draining else "the engine is starting")
+        if sv.engine.ready and not state.draining:
+            why = f"the engine has not answered for {silent:.1f} s"
         return JSONResponse(error_body(503, why), 503)
 
     @app.get("/version")
@@ -159,7 +199,8 @@ def build_app(state: ServerState) -> Any:
     async def models() -> dict[str, Any]:
         sv.check_ready()
         card = {"id": sv.model_name, "object": "model", "created": sv.created}
-        card |= {"owned_by": "paged", "max_model_len": sv.max_model_len}
+        card |= {"owned_by": "paged", "root": sv.model_name, "parent": None}
+        card |= {"max_model_len": sv.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -174,15 +215,14 @@ def build_app(state: ServerState) -> Any:
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         sv.check_model(req.model)
         if req.prompt is not None:
-            tok = sv.need_tokenizer("prompt")
             special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tok(req.prompt, add_special_tokens=special).input_ids
+            ids = await sv.tokenize(req.prompt, "prompt", special)
         else:
-            text, ids = sv.render_chat(req.messages or [], req.add_generation_prompt)
-            tok = sv.tokenizer
+            text, ids = await sv.render_chat(req.messages or [], req.add_generation_prompt)
             if req.add_special_tokens:
-                ids = tok(text, add_special_tokens=True).input_ids
-        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+                ids = await sv.tokenize(text, "messages", True)
+        tok = sv.tokenizer
+        strs = await sv.off_loop(tok.convert_ids_to_tokens, ids) if req.return_token_strs else None
         count, limit = len(ids), sv.max_model_len
         return {"count": count, "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
@@ -191,7 +231,7 @@ def build_app(state: ServerState) -> Any:
         sv.check_model(req.model)
         tok = sv.need_tokenizer("tokens")
         sv.check_ids(req.tokens, "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": await sv.off_loop(tok.decode, req.tokens)}
 
     @app.get("/ping")
     async def ping() -> Response:

@@ -36,7 +36,9 @@ class CompletionLogprobs:
             s = _text(self.tok, tid)
             out["tokens"].append(s)
             out["token_logprobs"].append(_lp(entry.get(tid)))
+            # The k most likely tokens and the sampled one (so logprobs=0 gives just it).
             top = {_text(self.tok, t): _lp(v) for t, v in _top(entry, self.k)}
+            top.setdefault(s, _lp(entry.get(tid)))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(s)

@@ -71,7 +71,7 @@ class ServerMetrics:
             registry=reg,
         )
         self.model_name = model_name
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
         reg.register(_EngineCollector(model_name, stats))
 

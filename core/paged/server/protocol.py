@@ -17,7 +17,7 @@ MAX_LIST = 1024  # stop_token_ids, logit_bias entries
 MAX_STOP = 64  # stop strings
 MAX_TOP_K = 2**31 - 1  # larger values would overflow the sampler's int64 tensors
 TokenId = Annotated[StrictInt, Field(ge=0)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses seed + i
 
 
 class OpenAIModel(BaseModel):
@@ -80,6 +80,12 @@ class SamplingRequest(RequestBody):
     user: str | None = None  # accepted, ignored
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None = None
@@ -163,6 +169,12 @@ class ChatMessage(BaseModel):
         msg = self.model_dump(exclude_none=True)
         msg["content"] = content or ""
         return msg
+
+    def text_length(self) -> int:
+        """Characters of text content (what tokenizing it costs)."""
+        if isinstance(self.content, list):
+            return sum(len(p.text or "") for p in self.content)
+        return len(self.content or "")
 
 
 class ResponseFormat(OpenAIModel):

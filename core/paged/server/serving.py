@@ -8,8 +8,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from starlette.responses import StreamingResponse
 
@@ -19,10 +20,19 @@ from paged.server.errors import APIError, bad_request
 from paged.server.protocol import ChatMessage, SamplingRequest
 
 log = logging.getLogger("paged.server")
+T = TypeVar("T")
+CHARS_PER_TOKEN = 32  # default prompt-size bound: far above any tokenizer's real ratio
 
 
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(e: BaseException) -> str:
+    """The error event that ends a stream (then `data: [DONE]`)."""
+    err = api_error(e)
+    return sse({"error": {"message": err.message, "type": err.type, "param": err.param,
+                          "code": err.code}})  # fmt: skip
 
 
 def new_id(prefix: str) -> str:
@@ -45,7 +55,7 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError):
         return bad_request(e)
     if isinstance(e, EngineDeadError):
-        return APIError(503, "the engine is not running; the server is restarting")
+        return APIError(503, f"the engine is not running ({e}); the server is exiting")
     if isinstance(e, EngineStepError):
         log.error("engine step failed: %s", e)
         return APIError(500, "the engine failed while running this request")
@@ -61,11 +71,46 @@ class Prompt:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        chat_template: str | None,
+        max_prompt_chars: int | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
         self.created = int(time.time())
+        self._max_prompt_chars = max_prompt_chars
+        # Tokenizing and chat templating: never on the event loop (a large prompt would stall
+        # every other request and /health).
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="paged-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of text one request may ask us to tokenize."""
+        return self._max_prompt_chars or CHARS_PER_TOKEN * max(self.max_model_len, 1)
+
+    def check_chars(self, n: int, field: str) -> None:
+        limit = self.max_prompt_chars
+        if n > limit:
+            msg = (
+                f"{field}: {n} characters of text, more than this server tokenizes for one "
+                f"request ({limit}; the model's maximum context length is "
+                f"{self.max_model_len} tokens; --max-prompt-chars)"
+            )
+            raise APIError(400, msg, field, "context_length_exceeded")
+
+    async def tokenize(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.need_tokenizer(field)
+        self.check_chars(len(text), field)
+        enc = await self.off_loop(tok, text, add_special_tokens=add_special_tokens)
+        return enc.input_ids
 
     @property
     def tokenizer(self) -> Any:
@@ -78,13 +123,14 @@ class Serving:
     # ---- checks ------------------------------------------------------------------------
     def check_ready(self) -> None:
         if self.engine.dead is not None:
-            raise APIError(503, "the engine is not running; the server is restarting")
+            msg = f"the engine is not running ({self.engine.dead}); the server is exiting"
+            raise APIError(503, msg)
         if not self.engine.ready:
             raise APIError(503, "the engine is starting; retry when /health answers 200")
 
     def check_model(self, name: str | None) -> None:
         self.check_ready()
-        if name is not None and name != self.model_name:
+        if name and name != self.model_name:  # none or "": the one model served
             raise APIError(
                 404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
             )
@@ -93,7 +139,7 @@ class Serving:
         vocab = self.engine.info["vocab_size"]
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            msg = f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})"
+            msg = f"{field}: token id {bad} is out of vocabulary (vocabulary size {vocab})"
             raise APIError(400, msg, field)
 
     def need_tokenizer(self, field: str) -> Any:
@@ -141,14 +187,24 @@ class Serving:
         return Prompt(text, ids, params)
 
     # ---- chat templates ----------------------------------------------------------------
-    def render_chat(
+    async def render_chat(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True
     ) -> tuple[str, list[int]]:
         tok = self.need_tokenizer("messages")
+        if len(messages) > self.max_model_len:
+            msg = (
+                f"messages: {len(messages)} messages cannot fit in the model's maximum context "
+                f"length of {self.max_model_len} tokens"
+            )
+            raise APIError(400, msg, "messages", "context_length_exceeded")
         try:
             conv = [m.as_template_input(i) for i, m in enumerate(messages)]
         except ValueError as e:
             raise bad_request(e) from None
+        self.check_chars(sum(m.text_length() for m in messages), "messages")
+        return await self.off_loop(self._render, tok, conv, add_generation_prompt)
+
+    def _render(self, tok: Any, conv: list[dict], add_generation_prompt: bool):
         try:
             text = tok.apply_chat_template(
                 conv,
@@ -160,6 +216,7 @@ class Serving:
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             msg = f"messages: cannot apply the chat template: {msg}"
             raise APIError(400, msg, "messages") from None
+        self.check_chars(len(text), "messages")
         return text, tok(text, add_special_tokens=False).input_ids
 
     # ---- generation --------------------------------------------------------------------

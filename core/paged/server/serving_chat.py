@@ -10,7 +10,16 @@ from paged.engine.outputs import OutputState
 from paged.server.errors import APIError
 from paged.server.logprobs import Pending, chat_logprobs
 from paged.server.protocol import ChatCompletionRequest
-from paged.server.serving import Prompt, Serving, SSEResponse, api_error, new_id, sse, usage
+from paged.server.serving import (
+    Prompt,
+    Serving,
+    SSEResponse,
+    api_error,
+    new_id,
+    sse,
+    sse_error,
+    usage,
+)
 
 
 async def create_chat_completion(
@@ -27,7 +36,7 @@ async def create_chat_completion(
         raise APIError(400, msg, "max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    text, ids = sv.render_chat(req.messages, req.add_generation_prompt)
+    text, ids = await sv.render_chat(req.messages, req.add_generation_prompt)
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
     if req.stream:
@@ -90,10 +99,12 @@ async def _stream(
         return sse(head | {"choices": [c]} | extra)
 
     completion, cached = 0, 0
+    started: set[int] = set()
     try:
-        for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
         async for _, u in sv.generate(rid, [prompt]):
+            if u.index not in started:  # the role with the first token, as vLLM sends it
+                started.add(u.index)
+                yield chunk(u.index, {"role": "assistant", "content": ""})
             eo = u.output
             completion += len(eo.new_token_ids)
             if u.index == 0:
@@ -108,6 +119,5 @@ async def _stream(
         if with_usage:
             yield sse(head | {"choices": [], "usage": usage(len(prompt.ids), completion, cached)})
     except Exception as e:
-        err = api_error(e)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param}})
+        yield sse_error(e)
     yield "data: [DONE]\n\n"

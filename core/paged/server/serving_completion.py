@@ -17,6 +17,7 @@ from paged.server.serving import (
     api_error,
     new_id,
     sse,
+    sse_error,
     usage,
 )
 
@@ -47,7 +48,7 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
         if isinstance(p, str):
             if not p:
                 raise APIError(400, "prompt: must not be empty", "prompt")
-            ids = sv.need_tokenizer("prompt")(p).input_ids
+            ids = await sv.tokenize(p, "prompt")
             prompts.append(sv.fit(p, ids, params, "prompt"))
         else:
             prompts.append(sv.fit(None, list(p), params, "prompt"))
@@ -150,6 +151,5 @@ async def _stream(
                 head | {"choices": [], "usage": usage(prompt_tokens, completion, sum(cached))}
             )
     except Exception as e:
-        err = api_error(e)
-        yield sse({"error": {"message": err.message, "type": err.type, "param": err.param}})
+        yield sse_error(e)
     yield "data: [DONE]\n\n"
