@@ -107,3 +107,55 @@ def test_core_has_no_device_specific_imports():
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not offenders, "device-specific code in core/:\n" + "\n".join(offenders)
+
+
+def _add_dist(tmp: Path, module: str, source: str, dist: str) -> None:
+    (tmp / f"{module}.py").write_text(source)
+    info = tmp / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[paged]\n{module} = {module}\n")
+
+
+SHADOW = """
+from paged.hookspecs import hookimpl
+from paged_cpu.platform import CpuPlatform
+
+class Shadow(CpuPlatform):
+    name = "cpu"
+    priority = 1000
+
+@hookimpl
+def paged_platforms():
+    return [Shadow]
+"""
+
+
+def test_broken_and_clashing_plugins_are_listed_not_fatal(tmp_path):
+    env = make_plugin(tmp_path)
+    _add_dist(tmp_path, "bad_import", "import no_such_module_xyz\n", "bad-import-plugin")
+    _add_dist(tmp_path, "zz_shadow", SHADOW, "shadow-plugin")
+    r = subprocess.run(
+        [sys.executable, "-m", "paged.cli.main", "platforms"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    out = r.stdout
+    assert "bad_import" in out and "no_such_module_xyz" in out, out
+    assert "toy" in out  # the good plugin still loads
+    clash = next(ln for ln in out.splitlines() if "already taken" in ln)
+    assert "paged-cpu" in clash and "shadow-plugin" in clash, clash
+    assert "selected: cpu" in out
+    r = run_py("from paged.plugins import select_platform; print(type(select_platform()))", env)
+    assert "CpuPlatform" in r.stdout, r.stdout + r.stderr  # not the shadowing class
+
+
+def test_declared_markers_are_used():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    names = [m.split(":")[0] for m in cfg["tool"]["pytest"]["ini_options"]["markers"]]
+    text = "\n".join(p.read_text() for p in (ROOT / "tests").rglob("*.py"))
+    unused = [n for n in names if f"pytest.mark.{n}" not in text]
+    assert not unused, f"markers declared in pyproject.toml but never used: {unused}"

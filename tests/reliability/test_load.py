@@ -92,6 +92,7 @@ def settled(http: httpx.Client, deadline: float = 30.0) -> str:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_500_streaming_clients_with_disconnects(tmp_path):
     t0 = time.monotonic()

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                 "priority": r.priority,
                 "available": r.available,
                 "reason": r.reason or None,
-                "module": r.cls.__module__,
+                "module": r.cls.__module__ if r.cls is not None else None,
+                "distribution": r.dist or None,
             }
             for r in rows
         ]
