@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--long", default="3000,5000,9000", help="long prompt lengths ('' skips)")
+    ap.add_argument("--long-only", action="store_true", help="only the long-prompt checks")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -100,6 +101,10 @@ def main() -> None:
         for n in (5, 17, 64, 100, 129, 200, 300, 513)
     ]
     n = args.new_tokens
+    if args.long_only:
+        long_prompts(args, report, hf, tmp, cfg.vocab_size)
+        print(json.dumps(report, indent=1), flush=True)
+        return
     t = time.perf_counter()
     ref = [hf_greedy(hf, p, n) for p in prompts]
     print(f"HF fp32 reference in {time.perf_counter() - t:.1f}s", flush=True)

@@ -213,8 +213,8 @@ def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
     path = out / f"{name}.json"
     cmd = paged("bench", "latency", *_model_args(args), "--batch-size", args.lat_batch,
                 "--input-len", args.lat_input, "--output-len", args.lat_output,
-                "--num-iters-warmup", 1, "--num-iters", args.lat_iters, "--save-json", path,
-                "--disable-tqdm")  # fmt: skip
+                "--no-enable-prefix-caching", "--num-iters-warmup", 1,
+                "--num-iters", args.lat_iters, "--save-json", path, "--disable-tqdm")  # fmt: skip
     if variant == "eager":
         cmd.append("--enforce-eager")
     elif variant == "sync":
@@ -245,8 +245,8 @@ def phase_long(args, out: Path, timeout: float) -> dict:
     cmd = paged("bench", "latency", *_model_args(args), "--batch-size", 1,
                 "--input-len", args.long_input, "--output-len", args.long_output,
                 "--max-model-len", args.long_input + args.long_output,
-                "--num-iters-warmup", 1, "--num-iters", 2, "--save-json", path,
-                "--disable-tqdm")  # fmt: skip
+                "--no-enable-prefix-caching", "--num-iters-warmup", 1, "--num-iters", 2,
+                "--save-json", path, "--disable-tqdm")  # fmt: skip
     rc = run("long", cmd, timeout, out / "logs")
     return {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
 
