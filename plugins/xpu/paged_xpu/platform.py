@@ -1,17 +1,20 @@
 """The XPU platform: Intel GPUs through `torch.xpu`; IPEX paged attention when usable, else
-the portable Triton kernels; XPU graphs where this torch has them; XCCL (or oneCCL)."""
+the portable Triton kernels; XPU graphs where this torch has them; XCCL (or oneCCL).
+
+Memory, the profiled KV budget, dtypes, the fused ops and the graph-or-eager choice come from
+paged's `AcceleratorPlatform` through `torch.xpu`; this keeps the probe, the collective
+backend and the attention choice."""
 
 from __future__ import annotations
 
 import glob
 import logging
 import os
-from collections.abc import Callable
 from importlib.util import find_spec
 
 import torch
 
-from paged.platform import Platform
+from paged.accelerator import AcceleratorPlatform
 
 log = logging.getLogger("paged")
 MASK_VARS = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
@@ -40,15 +43,11 @@ def choose_dist_backend() -> str:
     return "xccl"
 
 
-class XpuPlatform(Platform):
+class XpuPlatform(AcceleratorPlatform):
     name = "xpu"
     device_type = "xpu"
     priority = 90  # below cuda/rocm (a torch build has one GPU backend), above cpu
     dist_backend = "xccl"
-    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    needs_profile_run = True
-    pin_memory = True
-    overlap_steps = True  # launch step N+1 before step N's tokens reach the host
 
     def __init__(self) -> None:
         self.dist_backend = choose_dist_backend()
@@ -67,35 +66,12 @@ class XpuPlatform(Platform):
             return "no attention kernels: install pytorch-triton-xpu or intel-extension-for-pytorch"
         return None
 
-    def memory(self) -> tuple[int, int]:
-        if hasattr(torch.xpu, "mem_get_info"):
-            return torch.xpu.mem_get_info()
-        total = torch.xpu.get_device_properties(0).total_memory
-        return total - torch.xpu.memory_reserved(), total
-
-    def default_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if torch.xpu.is_bf16_supported() else torch.float16
-
     def check_config(self, config) -> None:
         super().check_config(config)
-        dtype = config.torch_dtype
-        if dtype == torch.bfloat16 and not torch.xpu.is_bf16_supported():
-            raise ValueError(f"dtype bfloat16 is not supported on {self._device_name()}")
-        if config.block_size < 16:
-            raise ValueError("block_size: the attention kernels need at least 16 tokens a block")
         from paged_xpu.attention import choose_attention
 
-        self.attention = choose_attention(dtype)  # raises when no path can serve the dtype
+        self.attention = choose_attention(config.torch_dtype)  # raises when no path serves it
         log.info("XPU attention: %s", self.attention[1])
-
-    def kv_cache_budget(self, config) -> int:
-        """After the profiling forward: what is left under gpu_memory_utilization."""
-        if config.kv_cache_memory is not None:
-            return config.kv_cache_memory
-        free, total = self.memory()
-        outside_torch = max(0, total - free - torch.xpu.memory_reserved())
-        peak = torch.xpu.max_memory_allocated()
-        return max(0, int(total * config.gpu_memory_utilization) - peak - outside_torch)
 
     def attention_backend(self):
         if self.attention is None:  # check_config not called: decide for the default dtype
@@ -104,39 +80,17 @@ class XpuPlatform(Platform):
             self.attention = choose_attention(self.default_dtype())
         return self.attention[0]
 
-    def step_runner(self):
-        if not hasattr(torch.xpu, "XPUGraph"):
-            return super().step_runner()  # eager: this torch has no XPU graphs
+    def graph_runner(self):  # eager where this torch has no torch.xpu.XPUGraph
         from paged_xpu.graphs import XpuGraphStepRunner
 
         return XpuGraphStepRunner
-
-    def ops(self) -> dict[str, Callable]:
-        from paged_xpu.ops import fused_ops
-
-        return fused_ops()
-
-    def synchronize(self) -> None:
-        torch.xpu.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.xpu.empty_cache()
-
-    def reset_peak_memory(self) -> None:
-        torch.xpu.synchronize()
-        torch.xpu.reset_peak_memory_stats()
-
-    def _device_name(self) -> str:
-        return torch.xpu.get_device_properties(0).name
 
     def describe(self) -> dict[str, str]:
         from importlib.metadata import PackageNotFoundError, version
 
         props = torch.xpu.get_device_properties(0)
         facts = {
-            "device": props.name,
-            "count": str(torch.xpu.device_count()),
-            "memory_gib": f"{props.total_memory / 2**30:.1f}",
+            **super().describe(),
             "driver": str(getattr(props, "driver_version", "?")),
             "xmx": str(getattr(props, "has_subgroup_matrix_multiply_accumulate", "?")),
             "graphs": str(hasattr(torch.xpu, "XPUGraph")),

@@ -1,12 +1,16 @@
-"""Fused Triton ops from `paged.kernels` replacing the torch defaults of `paged.model.ops`.
+"""The fused-op table of the GPU platforms: the Triton kernels of `paged.kernels` in place of
+the torch defaults of `paged.model.ops` (same names and signatures).
 
-The elementwise kernels use 4-16 warps (<= 1024 lanes with 64-lane wavefronts, the HIP
-work-group limit) and no shared-memory tiles, so they run unchanged on ROCm.
+Device-neutral: the same kernels compile for CUDA, HIP and Intel GPUs. The elementwise
+kernels use 4-16 warps (<= 1024 lanes with 64-lane wavefronts, the HIP work-group limit) and
+no shared-memory tiles, so no device needs its own launch sizes. Importing this module does
+not import triton.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from importlib.util import find_spec
 
 import torch
 
@@ -22,7 +26,10 @@ def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
     return rotary_embedding(pos, q, k, cache, q.shape[-1])
 
 
-def fused_ops() -> dict[str, Callable]:
+def triton_fused_ops() -> dict[str, Callable]:
+    """{op name: Triton kernel} for `Platform.ops()`; empty (the torch defaults) without triton."""
+    if find_spec("triton") is None:
+        return {}
     from paged import kernels
 
     return {
