@@ -1,11 +1,13 @@
 """AsyncEngine: the EngineCore in its own process, driven from an asyncio server.
 
 The core process steps whenever it has work; the server process tokenizes, detokenizes
-(OutputState) and streams. Two ZMQ ipc sockets carry pickled tuples:
-    server -> core   ("add", [(id, prompt_ids, params), ...]) | ("abort", [ids]) | ("shutdown",)
-    core -> server   ("ready", info) | ("error", message) | ("out", outputs, stats, queue_times)
-One "out" per step batches its outputs with EngineCore.metrics(). If the core dies, every
-in-flight request fails with EngineDeadError and `on_dead` fires (the server exits 1).
+(OutputState) and streams. Two ZMQ ipc sockets carry typed messages (paged.engine.messages,
+msgpack-encoded; one encoder and one decoder per direction):
+    server -> core   Add([NewRequest(id, prompt_ids, params), ...]) | Abort([ids]) | Shutdown()
+    core -> server   Ready(info) | Error(message) | Outputs(outputs, stats, queue_times) | Alive()
+One Outputs per step batches its outputs with EngineCore.metrics(); Alive is the heartbeat.
+If the core dies, every in-flight request fails with EngineDeadError and `on_dead` fires (the
+server exits 1). Several AsyncEngines behind one server: paged.engine.replicas.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -25,11 +26,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from paged.config import EngineConfig
-from paged.engine.core import EngineOutput
+from paged.engine import messages as m
+from paged.engine.faults import Faults
 from paged.engine.llm import _child_params
+from paged.engine.messages import EngineOutput
 from paged.engine.outputs import OutputState
 from paged.sampling.params import SamplingParams
 
@@ -62,38 +66,57 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _core_main(
-    config: EngineConfig, addr_in: str, addr_out: str, log_level: str, parent: int
+    config: EngineConfig,
+    addr_in: str,
+    addr_out: str,
+    log_level: str,
+    parent: int,
+    faults: Faults | None = None,
+    placement: Any = None,
 ) -> None:
+    """placement: None, or an object whose apply() runs first (a replica's share of the
+    host: paged.engine.replicas.Placement)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     # The server's to handle: it drains, then stops us.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent(parent)
+    if placement is not None:
+        placement.apply()
     ctx = zmq.Context()
     ctx.setsockopt(zmq.SNDHWM, 0)  # outputs queue here, never block the step loop
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(addr_in)
     push.connect(addr_out)
+    encode = m.encoder().encode
 
-    def send(*msg: Any) -> None:
+    def send(msg: m.FromEngine) -> None:
         try:
-            push.send(pickle.dumps(msg, 5), zmq.NOBLOCK)
+            push.send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # no server to take it: the parent check ends the loop
             pass
 
     try:
         from paged.engine.core import EngineCore
 
-        core = EngineCore(config)
+        core = EngineCore(config, faults)
     except Exception as e:  # a clear start-up error, then exit non-zero
         log.exception("engine start-up failed")
-        send("error", f"{type(e).__name__}: {e}")
+        send(m.Error(f"{type(e).__name__}: {e}"))
         push.close(linger=2000)
         raise SystemExit(1) from None
     name = core.source.name if core.source is not None else config.model
-    info = dict(max_model_len=core.max_model_len, vocab_size=core.vocab_size, model_name=name)
-    info |= dict(num_blocks=core.num_blocks, block_size=config.block_size, pid=os.getpid())
-    send("ready", info | dict(platform=core.platform.name, dtype=config.dtype))
+    info = m.EngineInfo(
+        max_model_len=core.max_model_len,
+        vocab_size=core.vocab_size,
+        model_name=name,
+        num_blocks=core.num_blocks,
+        block_size=config.block_size,
+        pid=os.getpid(),
+        platform=core.platform.name,
+        dtype=core.config.dtype,
+    )
+    send(m.Ready(info))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, addr_out, stop), daemon=True)
     beat.start()
@@ -111,7 +134,7 @@ def _heartbeat(ctx: zmq.Context, addr_out: str, stop: threading.Event) -> None:
     the beats stop: the process is stopped, swapped out or wedged)."""
     sock = ctx.socket(zmq.PUSH)
     sock.connect(addr_out)
-    msg = pickle.dumps(("alive",), 5)
+    msg = m.encoder().encode(m.Alive())
     while not stop.wait(HEARTBEAT_S):
         try:
             sock.send(msg, zmq.NOBLOCK)
@@ -120,9 +143,12 @@ def _heartbeat(ctx: zmq.Context, addr_out: str, stop: threading.Event) -> None:
     sock.close(linger=0)
 
 
-def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None], parent: int) -> None:
+def _core_loop(
+    core: Any, pull: zmq.Socket, send: Callable[[m.FromEngine], None], parent: int
+) -> None:
     from paged.engine.request import Status
 
+    decode = m.to_engine_decoder().decode
     arrivals: dict[str, float] = {}  # requests not yet scheduled -> arrival time
     while True:
         if os.getppid() != parent:  # the server is gone: nobody reads what we compute
@@ -131,22 +157,23 @@ def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None], parent: i
         rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
         timeout, got = (0 if core.has_unfinished() else 1000), False
         while pull.poll(timeout):
-            kind, *payload = pickle.loads(pull.recv())
-            if kind == "add":
-                for rid, ids, params in payload[0]:
+            msg = decode(pull.recv(copy=False).buffer)
+            if type(msg) is m.Add:
+                for r in msg.requests:
+                    rid = r.request_id
                     try:
-                        core.add_request(rid, ids, params)
+                        core.add_request(rid, r.prompt_token_ids, r.params)
                         arrivals[rid] = time.time()
                     except ValueError as e:
                         rejected.append(EngineOutput(rid, [], True, REJECTED, error=str(e)))
-            elif kind == "abort":
-                core.abort(payload[0])
-            elif kind == "shutdown":
+            elif type(msg) is m.Abort:
+                core.abort(msg.request_ids)
+            elif type(msg) is m.Shutdown:
                 return
             timeout, got = 0, True
         if not core.has_unfinished():
             if got:  # report aborts and rejections even without a step
-                send("out", rejected, core.metrics(), [])
+                send(m.Outputs(rejected, core.metrics(), []))
             continue
         t = time.time()
         outs = core.step()
@@ -157,7 +184,7 @@ def _core_loop(core: Any, pull: zmq.Socket, send: Callable[..., None], parent: i
                 del arrivals[rid]
                 if req is not None or rid in done:
                     queue_times.append(t - t0)
-        send("out", rejected + outs, core.metrics(), queue_times)
+        send(m.Outputs(rejected + outs, core.metrics(), queue_times))
 
 
 # ---- the server side -------------------------------------------------------------------
@@ -171,9 +198,22 @@ class SeqUpdate:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, log_level: str = "info", tokenizer_loader=None):
-        """tokenizer_loader: a function run in a thread while the core starts."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_level: str = "info",
+        tokenizer_loader=None,
+        faults: Faults | None = None,
+        placement: Any = None,
+        name: str = "paged-core",
+    ):
+        """tokenizer_loader: a function run in a thread while the core starts; faults: test-only
+        fault injection for the core (paged.engine.faults); placement: run first in the core
+        process (a replica's share of the host, paged.engine.replicas); name: the process's."""
         self.config = config
+        self.faults = faults
+        self.placement = placement
+        self.name = name
         self.tokenizer: Any = None
         self._load_tokenizer: Callable[[], Any] | None = tokenizer_loader
         self.log_level = log_level
@@ -188,6 +228,11 @@ class AsyncEngine:
         self._proc: Any = None
         self._closing = False
         self.last_heard = time.monotonic()  # the core's last message (output or heartbeat)
+        # Outstanding work, from what was sent and what came back: prompt tokens not yet
+        # computed plus tokens still to generate (max_tokens) of every sequence in flight.
+        self.outstanding_tokens = 0
+        self._encode = m.encoder().encode
+        self._decode = m.from_engine_decoder().decode
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
@@ -200,9 +245,10 @@ class AsyncEngine:
         self._push, self._pull = self._ctxs[0].socket(zmq.PUSH), self._ctxs[1].socket(zmq.PULL)
         self._push.bind(addr_in)
         self._pull.bind(addr_out)
-        args = (self.config, addr_in, addr_out, self.log_level, os.getpid())
+        args = (self.config, addr_in, addr_out, self.log_level, os.getpid(), self.faults)
+        args += (self.placement,)
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=_core_main, args=args, name="paged-core", daemon=True)
+        self._proc = mp.Process(target=_core_main, args=args, name=self.name, daemon=True)
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)
@@ -237,7 +283,7 @@ class AsyncEngine:
             return
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
         if self._proc.is_alive():
-            self._send("shutdown")
+            self._send(m.Shutdown())
             await asyncio.to_thread(self._proc.join, timeout)
         if self._proc.is_alive():
             self._proc.kill()
@@ -253,6 +299,11 @@ class AsyncEngine:
         if not self._closing:
             self._proc.join(1)  # the sentinel fires just before the exit status is ready
             self._die(f"the engine core process exited (code {self._proc.exitcode})")
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead (as if its core had died): fail every request in flight,
+        refuse new ones, fire on_dead. Replica sets do this to the others when one dies."""
+        self._die(reason)
 
     def _die(self, reason: str) -> None:
         if self.dead is not None:
@@ -271,26 +322,27 @@ class AsyncEngine:
         return time.monotonic() - self.last_heard
 
     async def _read_loop(self) -> None:
+        decode = self._decode
         while True:
-            kind, *msg = pickle.loads(await self._pull.recv())
+            msg = decode((await self._pull.recv(copy=False)).buffer)
             self.last_heard = time.monotonic()
-            if kind == "out":
-                outs, self.stats, queue_times = msg
-                if self.observer is not None and queue_times:
-                    self.observer.queue_times(queue_times)
-                for eo in outs:
+            if type(msg) is m.Outputs:
+                self.stats = msg.stats
+                if self.observer is not None and msg.queue_times:
+                    self.observer.queue_times(msg.queue_times)
+                for eo in msg.outputs:
                     entry = self._seqs.get(eo.request_id)
                     if entry is not None:
                         entry[0].put_nowait((entry[1], eo))
-            elif kind == "ready":
-                self.info = msg[0]
+            elif type(msg) is m.Ready:
+                self.info = msgspec.structs.asdict(msg.info)
                 self._settle()
-            elif kind == "error":
-                self._die(f"engine start-up failed: {msg[0]}")
+            elif type(msg) is m.Error:
+                self._die(f"engine start-up failed: {msg.message}")
 
-    def _send(self, *msg: Any) -> None:
+    def _send(self, msg: m.ToEngine) -> None:
         try:  # never block the event loop: with no core connected (gone), there is no one to tell
-            self._push.send(pickle.dumps(msg, 5), zmq.NOBLOCK)
+            self._push.send(self._encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -316,7 +368,11 @@ class AsyncEngine:
         for i, cid in enumerate(cids):
             self._seqs[cid] = (q, i)
         self._children[request_id] = cids
-        self._send("add", [(cid, prompt_ids, p) for cid, p in zip(cids, cparams)])
+        self._send(m.Add([m.NewRequest(cid, prompt_ids, p) for cid, p in zip(cids, cparams)]))
+        plen = len(prompt_ids)
+        gen = params.max_tokens or max((self.info or {}).get("max_model_len", 0) - plen, 1)
+        work = [plen + gen] * n  # outstanding_tokens of each sequence
+        self.outstanding_tokens += plen * n + gen * n
         obs = self.observer
         t0 = time.monotonic()
         last = [0.0] * n
@@ -335,7 +391,11 @@ class AsyncEngine:
                     raise ValueError(eo.error) if bad else EngineStepError(eo.error)
                 st = states[i]
                 if st.update(eo):  # a stop string ended it: free its blocks now
-                    self._send("abort", [cids[i]])
+                    self._send(m.Abort([cids[i]]))
+                k = len(eo.new_token_ids)  # work done: the prompt, with the first token
+                spent = work[i] if st.finished else min(work[i], k + plen * (work[i] > gen))
+                work[i] -= spent
+                self.outstanding_tokens -= spent
                 now = time.monotonic()
                 if obs is not None and eo.new_token_ids:  # time to first token, or between
                     obs.tokens(now - (last[i] or t0), len(eo.new_token_ids), first=not last[i])
@@ -347,6 +407,7 @@ class AsyncEngine:
                         obs.finished(st.out.finish_reason or "stop", now - t0)
                 yield SeqUpdate(i, st, eo)
         finally:
+            self.outstanding_tokens -= sum(work)
             self.abort(request_id)
             if obs is not None and ended != "rejected":  # aborted and failed ones count too
                 for _ in range(done.count(False)):
@@ -357,4 +418,4 @@ class AsyncEngine:
         cids = self._children.pop(request_id, [])
         left = [c for c in cids if self._seqs.pop(c, None) is not None]
         if left and self.dead is None and not self._closing:
-            self._send("abort", left)
+            self._send(m.Abort(left))

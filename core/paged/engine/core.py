@@ -8,29 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
+from paged.engine.messages import EngineOutput  # re-exported: defined with the wire types
 from paged.engine.request import Request
 from paged.engine.scheduler import Scheduler
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
-
-
-@dataclass
-class EngineOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    logprobs: list[dict[int, float]] | None = None  # one {token: logprob} per new token
 
 
 def load_model_config(config: EngineConfig):

@@ -11,9 +11,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paged.config import EngineConfig, parse_bytes
+
+if TYPE_CHECKING:
+    from paged.engine.faults import Faults
 
 log = logging.getLogger("paged.server")
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -78,8 +81,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_main(args: argparse.Namespace) -> int:
-    """Run the server until SIGINT/SIGTERM (0) or until the engine dies (1)."""
+def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM (0) or until the engine dies (1). `faults`: test-only
+    fault injection for the engine (tests/fault_server.py)."""
     from paged.engine.async_engine import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
@@ -90,7 +94,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return 2
     api_key = args.api_key or os.environ.get("PAGED_API_KEY") or None
     try:
-        return asyncio.run(_serve(config, args, api_key))
+        return asyncio.run(_serve(config, args, api_key, faults))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
@@ -136,11 +140,13 @@ def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
     return Server(uv_config)
 
 
-async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | None) -> int:
+async def _serve(
+    config: EngineConfig, args: argparse.Namespace, api_key: str | None, faults: Faults | None
+) -> int:
     import uvicorn
 
-    from paged.engine.async_engine import AsyncEngine
     from paged.engine.llm import load_chat_template
+    from paged.engine.replicas import make_engine
     from paged.server.app import ServerState, build_app
     from paged.server.limits import raise_fd_limit, timed_h11_protocol
     from paged.server.metrics import ServerMetrics
@@ -154,8 +160,8 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
         log.error("cannot start: %s", e)
         return 1
     name = config.served_model_name or name
-    engine = AsyncEngine(config, log_level=args.log_level, tokenizer_loader=load_tok)
-    metrics = ServerMetrics(name, lambda: engine.stats)
+    engine = make_engine(config, args.log_level, load_tok, faults)  # data_parallel_size of them
+    metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None))
     engine.observer = metrics
     serving = Serving(engine, name, chat_template, args.max_prompt_chars)
     state = ServerState(serving, metrics, api_key)
@@ -199,12 +205,14 @@ async def _serve(config: EngineConfig, args: argparse.Namespace, api_key: str | 
     async def announce() -> None:
         if await engine.wait_ready():
             i = engine.info or {}
+            dp = i.get("data_parallel_size", 1)
             log.info(
-                "ready in %.1f s: %s on %s (%s), max_model_len %d, KV cache %d blocks "
+                "ready in %.1f s: %s on %s%s (%s), max_model_len %d, KV cache %d blocks "
                 "(%d tokens); serving at http://%s:%d/v1",
                 time.perf_counter() - t0,
                 name,
                 i.get("platform"),
+                f" x {dp} replicas" if dp > 1 else "",
                 i.get("dtype"),
                 i.get("max_model_len", 0),
                 i.get("num_blocks", 0),

@@ -2,12 +2,15 @@
 
 Latency histograms are observed in the server process (AsyncEngine calls the hooks);
 engine gauges and counters are the core's own totals, sent with every batch of outputs,
-and exported as they are by a custom collector.
+and exported as they are by a custom collector. With several engine replicas
+(--data-parallel-size) these are the sums over the replicas, and each replica's own values
+are exported as well, as `paged:replica_*` series labelled `replica` and `platform`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,9 +39,15 @@ _ENGINE = {
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], dict[str, float]],
+        replicas: Sequence[Any] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.stats = stats
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
@@ -47,12 +56,46 @@ class _EngineCollector(Collector):
             fam = cls(name, help, labels=["model_name"])
             fam.add_metric([self.model_name], float(stats.get(key, 0)))
             yield fam
+        if self.replicas:
+            yield from self._per_replica(self.replicas)
+
+    def _per_replica(self, replicas: Sequence[Any]) -> Iterator[Metric]:
+        """paged:replica_<name> for each engine series, and the router's view: readiness and
+        outstanding work (replicas.Replica)."""
+        labels = ["model_name", "replica", "platform"]
+        rows = [([self.model_name, str(r.index), r.platform], r) for r in replicas]
+        for key, (name, help, counter) in _ENGINE.items():
+            cls = CounterMetricFamily if counter else GaugeMetricFamily
+            per = name.replace("paged:", "paged:replica_")
+            fam = cls(per, f"{help}, per replica", labels=labels)
+            for lab, r in rows:
+                fam.add_metric(lab, float(r.stats.get(key, 0)))
+            yield fam
+        ready = GaugeMetricFamily("paged:replica_ready", "1 when the replica serves", labels=labels)
+        load = GaugeMetricFamily(
+            "paged:replica_outstanding_tokens",
+            "work sent to the replica and not done: prompt tokens not yet computed plus tokens "
+            "still to generate (the router sends each request to the least loaded replica)",
+            labels=labels,
+        )
+        for lab, r in rows:
+            ready.add_metric(lab, float(r.ready))
+            load.add_metric(lab, float(r.load))
+        yield ready
+        yield load
 
 
 class ServerMetrics:
-    """The /metrics registry; AsyncEngine calls tokens, finished and queue_times."""
+    """The /metrics registry; AsyncEngine calls tokens, finished and queue_times. `stats`: the
+    engine's metrics (summed over replicas); `replicas`: paged.engine.replicas.Replica objects
+    (each with index, platform, stats, ready, load), exported per replica when given."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, float]]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], dict[str, float]],
+        replicas: Sequence[Any] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         reg, lab = self.registry, ["model_name"]
 
@@ -73,7 +116,7 @@ class ServerMetrics:
         self.model_name = model_name
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
-        reg.register(_EngineCollector(model_name, stats))
+        reg.register(_EngineCollector(model_name, stats, replicas))
 
     def tokens(self, seconds: float, num_tokens: int, first: bool) -> None:
         """num_tokens arrived `seconds` after the request started (first) or the last ones."""

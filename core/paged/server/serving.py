@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.responses import StreamingResponse
 
@@ -18,6 +18,9 @@ from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepEr
 from paged.sampling.params import SamplingParams
 from paged.server.errors import APIError, bad_request
 from paged.server.protocol import ChatMessage, SamplingRequest
+
+if TYPE_CHECKING:
+    from paged.engine.replicas import ReplicaSet
 
 log = logging.getLogger("paged.server")
 T = TypeVar("T")
@@ -73,7 +76,7 @@ class Prompt:
 class Serving:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | ReplicaSet,  # one engine, or replicas with the same surface
         model_name: str,
         chat_template: str | None,
         max_prompt_chars: int | None = None,

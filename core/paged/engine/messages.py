@@ -1,0 +1,110 @@
+"""The engine <-> server protocol: typed messages, encoded with msgpack (msgspec).
+
+Two tagged unions, one per direction of the two ZMQ sockets (see async_engine.py):
+    server -> core   Add | Abort | Shutdown
+    core -> server   Ready | Error | Outputs | Alive
+Each message is a msgspec Struct encoded as a msgpack array whose first element is its tag.
+Every process keeps one Encoder and one Decoder per socket direction (`encoder()`,
+`to_engine_decoder()`, `from_engine_decoder()`).
+
+`EngineOutput`, one step's result for one sequence, lives here (and is re-exported by
+paged.engine.core) so that this module stays below both the engine and the server: it
+imports nothing of paged but SamplingParams.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from paged.sampling.params import SamplingParams
+
+_WIRE = dict(array_like=True, gc=False)  # compact arrays; no reference cycles to collect
+
+
+class EngineOutput(msgspec.Struct, **_WIRE):
+    """What one engine step produced for one sequence."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # one {token: logprob} per new token
+
+
+class EngineInfo(msgspec.Struct, **_WIRE):
+    """What a core reports once it is ready (AsyncEngine.info holds it as a dict)."""
+
+    max_model_len: int
+    vocab_size: int
+    model_name: str | None
+    num_blocks: int
+    block_size: int
+    pid: int
+    platform: str
+    dtype: str
+
+
+# ---- server -> core ----------------------------------------------------------------------
+class NewRequest(msgspec.Struct, **_WIRE):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a dataclass: msgspec encodes its fields and validates on decode
+
+
+class Add(msgspec.Struct, tag="add", **_WIRE):
+    requests: list[NewRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", **_WIRE):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
+    pass
+
+
+ToEngine = Add | Abort | Shutdown
+
+
+# ---- core -> server ----------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", **_WIRE):
+    info: EngineInfo
+
+
+class Error(msgspec.Struct, tag="error", **_WIRE):
+    """The core could not start (the message says why); it exits non-zero."""
+
+    message: str
+
+
+class Outputs(msgspec.Struct, tag="out", **_WIRE):
+    """One engine step's outputs (or the rejections and aborts of an idle loop), the core's
+    metrics after it (EngineCore.metrics()) and the queue times of the requests it first
+    scheduled (seconds from arrival)."""
+
+    outputs: list[EngineOutput]
+    stats: dict[str, float]
+    queue_times: list[float]
+
+
+class Alive(msgspec.Struct, tag="alive", **_WIRE):
+    """The heartbeat: the core process runs (sent every HEARTBEAT_S, also when idle)."""
+
+
+FromEngine = Ready | Error | Outputs | Alive
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def to_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToEngine)
+
+
+def from_engine_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromEngine)
