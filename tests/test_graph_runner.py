@@ -1,4 +1,4 @@
-"""The device-neutral graph runner (`paged.graph_runner`) on CPU, with a fake graph API: a
+"""The device-neutral graph runner (`paged.worker.graph_runner`) on CPU, with a fake graph API: a
 "graph" records closures while captured and reruns them on replay, so replay reads the
 static input buffers exactly as a real captured graph would."""
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paged.graph_runner import GraphStepRunner, capture_sizes
 from paged.model.attention import AttentionMetadata
+from paged.worker.graph_runner import GraphStepRunner, capture_sizes
 
 
 class FakeGraph:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from paged.engine.request import Request
-from paged.engine.scheduler import Batch
-from paged.input_buffers import InputBuffers
 from paged.sampling.params import SamplingParams
+from paged.scheduled import ScheduledBatch
+from paged.worker.input_buffers import InputBuffers
 
 
 class LateDevice(InputBuffers):
@@ -39,8 +39,8 @@ class LateDevice(InputBuffers):
         return Event()
 
 
-def _chunk(req: Request, n: int) -> Batch:
-    return Batch([req], [n], 0)
+def _chunk(req: Request, n: int) -> ScheduledBatch:
+    return ScheduledBatch([req], [n], 0)
 
 
 def test_host_buffers_are_not_reused_before_the_device_copied_them():

@@ -6,9 +6,12 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from paged.platform import PlatformOption
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,8 +61,25 @@ class EngineConfig:
         "hiding host work behind the device (default: the platform's choice)"
     )
     seed: int = _opt("seed for weights of --load-format dummy and unseeded sampling", default=0)
+    tensor_parallel_size: int = _opt(
+        "devices one model is split over, by attention heads and MLP columns (one process "
+        "each)", default=1, type=int
+    )
+    pipeline_parallel_size: int = _opt(
+        "stages the layers are split into (one process group each)", default=1, type=int
+    )
+    data_parallel_size: int = _opt(
+        "engine replicas behind one server, each with its own devices", default=1, type=int
+    )
+    distributed_executor_backend: str = _opt(
+        "how worker processes start: mp (this host) | ray (a Ray cluster, across nodes)",
+        default="mp",
+    )
     served_model_name: str | None = _opt("model name reported by the API")
     chat_template: str | None = _opt("a Jinja chat template file or string")
+    # The platforms' own options set explicitly ({"cpu_native": False}): their flags, LLM
+    # keyword arguments; the platform falls back to each option's env variable, then default.
+    platform_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
@@ -67,8 +87,29 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError("distributed_executor_backend must be mp or ray")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.platform_options:
+            known = platform_options()
+            for name in self.platform_options:
+                if name not in known:
+                    raise ValueError(
+                        f"unknown engine argument or platform option {name!r} (platform "
+                        f"options: {', '.join(sorted(known)) or 'none installed'})"
+                    )
+            self.platform_options = {
+                k: known[k][1].check(v) for k, v in self.platform_options.items()
+            }
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine replica runs on: tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -81,6 +122,8 @@ class EngineConfig:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help = f.metadata.get("help", "")
+            if not f.metadata.get("cli", True):
+                continue
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None, help=help)
             elif f.type in ("bool", bool, "bool | None"):
@@ -95,8 +138,35 @@ class EngineConfig:
                     help=help,
                     dest=f.name,
                 )
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for name, (platform, opt) in platform_options().items():  # unset: None
+            if platform not in groups:
+                groups[platform] = parser.add_argument_group(f"{platform} platform options")
+            fallback = f"; env fallback {opt.env}" if opt.env else ""
+            help = f"{opt.help} (default: {opt.default}{fallback})".replace("%", "%%")
+            if isinstance(opt.default, bool):
+                action = argparse.BooleanOptionalAction
+                groups[platform].add_argument(opt.flag, action=action, default=None, help=help)
+            else:
+                groups[platform].add_argument(
+                    opt.flag, choices=opt.choices, default=None, help=help, dest=name
+                )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        names = {f.name for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+        values = vars(args)
+        options = {k: values[k] for k in platform_options() if values.get(k) is not None}
+        kwargs = {k: v for k, v in values.items() if k in names}
+        return cls(**kwargs, platform_options=options)
+
+
+def platform_options() -> dict[str, tuple[str, PlatformOption]]:
+    """{option name: (platform name, option)} of every installed platform, in plugin order."""
+    from paged.plugins import all_platforms
+
+    out: dict[str, tuple[str, PlatformOption]] = {}
+    for cls in all_platforms():
+        for opt in cls.options:
+            out.setdefault(opt.name, (cls.name, opt))
+    return out

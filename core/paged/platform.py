@@ -6,15 +6,69 @@ Keep vendor imports inside methods so that probing and listing stay cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 if TYPE_CHECKING:
     from paged.config import EngineConfig
     from paged.model.attention import AttentionBackend
-    from paged.step_runner import StepRunner
+    from paged.worker.step_runner import StepRunner
+
+log = logging.getLogger("paged")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class PlatformOption:
+    """A switch a platform declares in `Platform.options`: a flag of the engine commands
+    (``--cpu-native/--no-cpu-native`` for a bool, ``--xpu-attention {auto,ipex,triton}`` for
+    a str with choices), an argument of ``LLM(...)`` (``cpu_native=False``) and, when `env`
+    names one, an environment variable read only when neither was given."""
+
+    name: str  # the platform's name first: cpu_native, xpu_attention
+    help: str
+    default: bool | str  # its type is the option's type
+    choices: tuple[str, ...] | None = None  # str options: the accepted values
+    env: str | None = None  # the documented fallback, e.g. PAGED_CPU_NATIVE
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: Any) -> bool | str:
+        """`value` as this option's type, or ValueError naming the option."""
+        if isinstance(self.default, bool):
+            if isinstance(value, bool):
+                return value
+            raise ValueError(f"platform option {self.name}: expected True or False, got {value!r}")
+        if not isinstance(value, str) or (self.choices and value not in self.choices):
+            choices = f"one of {', '.join(self.choices)}" if self.choices else "a string"
+            raise ValueError(f"platform option {self.name}: expected {choices}, got {value!r}")
+        return value
+
+    def from_env(self) -> bool | str | None:
+        """The fallback environment variable's value, parsed; None when unset or empty."""
+        text = os.environ.get(self.env, "").strip().lower() if self.env else ""
+        if not text:
+            return None
+        if isinstance(self.default, bool):
+            if text in _TRUE + _FALSE:
+                return text in _TRUE
+            raise ValueError(f"{self.env}={os.environ[self.env]!r}: use 1 or 0 (or {self.flag})")
+        if self.choices and text not in self.choices:
+            raise ValueError(
+                f"{self.env}={os.environ[self.env]!r}: use {', '.join(self.choices)} "
+                f"(or {self.flag})"
+            )
+        return text
+
+
+_ignored: set[tuple[str, str]] = set()  # other platforms' options already reported
 
 
 class Platform:
@@ -43,6 +97,12 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def bind_device(self, local_rank: int) -> None:
+        """Make device `local_rank` of this host the current one (one per worker process of a
+        tensor/pipeline-parallel replica); nothing on the host CPU."""
+        if self.device_type != "cpu":
+            getattr(torch, self.device_type).set_device(local_rank)
+
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of device memory: the KV cache budget starts here."""
         raise NotImplementedError
@@ -69,7 +129,7 @@ class Platform:
 
     def step_runner(self) -> type[StepRunner]:
         """Eager by default; graph-capturing platforms return their own runner."""
-        from paged.step_runner import StepRunner
+        from paged.worker.step_runner import StepRunner
 
         return StepRunner
 
@@ -93,3 +153,33 @@ class Platform:
     def describe(self) -> dict[str, str]:
         """Facts for ``paged env``: device names, driver and library versions."""
         return {}
+
+    # ---- options ---------------------------------------------------------------------
+    # Switches that change results or kernels, declared by the plugin; the engine passes the
+    # ones set explicitly (EngineConfig.platform_options) to `configure` right after creating
+    # the platform, and the plugin reads them with `option(name)`.
+    options: ClassVar[tuple[PlatformOption, ...]] = ()
+
+    def configure(self, values: Mapping[str, Any]) -> None:
+        """The options set for this engine (flags, LLM arguments); other platforms' options
+        are ignored (and reported once). Checks the fallback environment variables too."""
+        mine = {o.name: o for o in self.options}
+        self._option_values = {k: mine[k].check(v) for k, v in values.items() if k in mine}
+        for name in sorted(set(values) - set(mine)):
+            if (self.name, name) not in _ignored:
+                _ignored.add((self.name, name))
+                log.warning("platform option %s is not one of %s's: ignored", name, self.name)
+        for o in self.options:
+            self.option(o.name)  # a bad environment value fails at start-up
+
+    def option(self, name: str) -> Any:
+        """The value of option `name` for this engine: set explicitly (`configure`), else its
+        environment variable, else its default."""
+        opt = next((o for o in self.options if o.name == name), None)
+        if opt is None:
+            raise KeyError(f"platform {self.name} has no option {name!r}")
+        values: dict[str, Any] = getattr(self, "_option_values", {})
+        if name in values:
+            return values[name]
+        from_env = opt.from_env()
+        return opt.default if from_env is None else from_env

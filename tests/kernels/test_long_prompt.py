@@ -19,9 +19,9 @@ class TritonOnCpu(CpuPlatform):
         return TritonAttentionBackend
 
     def ops(self):
-        from paged_cuda.ops import fused_ops
+        from paged.kernels.ops import triton_fused_ops
 
-        return fused_ops()
+        return triton_fused_ops()
 
     def prepare_model(self, model, config, source=None) -> None:
         pass  # plain torch linears: no CPU weight packing
@@ -32,7 +32,8 @@ def test_prompt_of_many_chunks_matches_hf(tiny_models, monkeypatch, overlap):
     from transformers import AutoModelForCausalLM
 
     path = tiny_models["llama"]
-    monkeypatch.setattr("paged.engine.core.select_platform", lambda name=None: TritonOnCpu())
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in (203, 77)]
     llm = LLM(path, dtype="float32", max_model_len=512, max_num_batched_tokens=48,

@@ -18,7 +18,7 @@ import paged_xpu.hooks
 import paged_xpu.platform as xp
 from paged.config import EngineConfig
 from paged.plugins import probe_platforms, select_platform
-from paged.step_runner import StepRunner
+from paged.worker.step_runner import StepRunner
 from paged_xpu.attention import IpexAttentionBackend, choose_attention
 from paged_xpu.platform import XpuPlatform
 from paged_xpu.triton_attention import XpuTritonAttentionBackend
@@ -149,14 +149,36 @@ def test_broken_ipex_falls_back(xpu, monkeypatch):
 
 def test_forced_attention(xpu, monkeypatch):
     stub_ipex(monkeypatch)
-    monkeypatch.setenv(xa.ATTENTION_ENV, "triton")
-    assert choose_attention(torch.bfloat16)[0] is XpuTritonAttentionBackend
-    monkeypatch.setenv(xa.ATTENTION_ENV, "ipex")
+    assert choose_attention(torch.bfloat16, "triton")[0] is XpuTritonAttentionBackend
     with pytest.raises(ValueError, match="ipex, but IPEX flash attention takes"):
-        choose_attention(torch.float32)
+        choose_attention(torch.float32, "ipex")
+    with pytest.raises(ValueError, match="use auto, ipex or triton"):
+        choose_attention(torch.bfloat16, "cuda")
+
+
+def test_attention_option_flag_and_env_fallback(xpu, monkeypatch):
+    """--xpu-attention reaches check_config; PAGED_XPU_ATTENTION is read only without it."""
+    stub_ipex(monkeypatch)
+    platform = XpuPlatform()
+    platform.configure({})
+    monkeypatch.setenv(xa.ATTENTION_ENV, "triton")  # the fallback, no flag given
+    platform.check_config(EngineConfig(dtype="bfloat16"))
+    assert platform.attention_backend() is XpuTritonAttentionBackend
+    config = EngineConfig(dtype="bfloat16", platform_options={"xpu_attention": "ipex"})
+    platform.configure(config.platform_options)  # the flag wins over the environment
+    platform.check_config(config)
+    assert platform.attention_backend() is IpexAttentionBackend
+    monkeypatch.setenv(xa.ATTENTION_ENV, "ipex")
+    platform.configure({"xpu_attention": "auto"})
+    with pytest.raises(ValueError, match="ipex, but IPEX flash attention takes"):
+        XpuPlatform().check_config(EngineConfig(dtype="float32"))  # env: ipex, fp32
+    platform.check_config(EngineConfig(dtype="float32"))  # auto: Triton serves fp32
+    assert platform.attention_backend() is XpuTritonAttentionBackend
     monkeypatch.setenv(xa.ATTENTION_ENV, "cuda")
-    with pytest.raises(ValueError, match="use ipex or triton"):
-        choose_attention(torch.bfloat16)
+    with pytest.raises(ValueError, match="PAGED_XPU_ATTENTION='cuda': use auto, ipex, triton"):
+        XpuPlatform().configure({})
+    with pytest.raises(ValueError, match="xpu_attention: expected one of auto, ipex, triton"):
+        EngineConfig(platform_options={"xpu_attention": "cuda"})
 
 
 def test_no_kernels_at_all(xpu, monkeypatch):

@@ -45,7 +45,14 @@ class Server:
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "paged.server", "--port", str(port), "--log-level", "warning"]
+    # Test-only engine faults (PAGED_TEST_*) need the test launcher; real servers never read them.
+    faulty = any(k.startswith("PAGED_TEST_") for k in (env or {}))
+    entry = (
+        [str(Path(__file__).parent.parent / "fault_server.py")]
+        if faulty
+        else ["-m", "paged.server"]
+    )
+    cmd = [sys.executable, *entry, "--port", str(port), "--log-level", "warning"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "w") as f:
         proc = subprocess.Popen([*cmd, *args], stdout=f, stderr=subprocess.STDOUT, env=env)

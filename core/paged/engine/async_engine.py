@@ -99,7 +99,7 @@ def _core_main(
     try:
         from paged.engine.core import EngineCore
 
-        core = EngineCore(config, faults)
+        core = EngineCore(config, faults, exit_on_failure=True)
     except Exception as e:  # a clear start-up error, then exit non-zero
         log.exception("engine start-up failed")
         send(m.Error(f"{type(e).__name__}: {e}"))
@@ -125,6 +125,7 @@ def _core_main(
     finally:
         stop.set()
         beat.join(2)
+        core.shutdown()
         push.close(linger=1000)
         pull.close(linger=0)
 
@@ -248,7 +249,8 @@ class AsyncEngine:
         args = (self.config, addr_in, addr_out, self.log_level, os.getpid(), self.faults)
         args += (self.placement,)
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=_core_main, args=args, name=self.name, daemon=True)
+        # Not a daemon: it starts worker processes of its own (tensor/pipeline parallel).
+        self._proc = mp.Process(target=_core_main, args=args, name=self.name, daemon=False)
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)

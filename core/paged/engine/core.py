@@ -6,30 +6,25 @@ server can run it in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
 from paged.engine.messages import EngineOutput  # re-exported: defined with the wire types
 from paged.engine.request import Request
 from paged.engine.scheduler import Scheduler
+from paged.executor import WorkerFailure, create_executor
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
+from paged.worker.worker import load_model_config, resolve_config
+
+if TYPE_CHECKING:
+    from paged.engine.faults import Faults
 
 log = logging.getLogger("paged")
-
-
-def load_model_config(config: EngineConfig):
-    """(hf_config, ModelSource or None) for the config's model or named dummy shape."""
-    from paged.model.shapes import SHAPES, shape_config
-
-    if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
-        return shape_config(config.model), None
-    from paged.model.loader import load_config, resolve_model
-
-    src = resolve_model(config.model)
-    return load_config(src), src
 
 
 def eos_ids(hf_config) -> tuple[int, ...]:
@@ -40,41 +35,32 @@ def eos_ids(hf_config) -> tuple[int, ...]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        from paged.runner import ModelRunner
-
+    def __init__(
+        self, config: EngineConfig, faults: Faults | None = None, exit_on_failure: bool = False
+    ) -> None:
+        """`config` is not changed: the engine resolves it into its own (`self.config`).
+        `faults`: test-only fault injection (paged.engine.faults); None in production.
+        `exit_on_failure`: a worker's death ends this process (an engine-core process)."""
         t0 = time.perf_counter()
-        self.config = config
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                "data_parallel_size: one engine is one replica; serve several with "
+                "`paged serve --data-parallel-size N`"
+            )
         self.platform = select_platform(config.platform)
+        self.platform.configure(config.platform_options)
         self.hf_config, self.source = load_model_config(config)
-        if config.dtype == "auto":
-            config.dtype = str(self.platform.default_dtype()).removeprefix("torch.")
-        self.platform.check_config(config)
-        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = config.max_model_len or model_len
-        config.max_model_len = self.max_model_len
+        self.config = config = resolve_config(config, self.platform, self.hf_config)
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_ids(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
-        weights = None
-        if config.load_format != "dummy":
-            from paged.model.loader import iter_weights
+        self.executor = create_executor(config, exit_on_failure)
+        self.runner = self.executor.runner  # the driver's (rank 0)
+        self.num_blocks = self.executor.num_blocks
+        if faults is not None:
+            from paged.engine.faults import install
 
-            weights = iter_weights(self.source, self.hf_config)
-        self.runner = ModelRunner(
-            config, self.platform, self.hf_config, self.max_model_len, weights, self.source
-        )
-        if (
-            self.platform.needs_profile_run
-            and config.num_kv_blocks is None
-            and config.kv_cache_memory is None
-        ):
-            self.runner.profile_run()
-        self.num_blocks = self._size_kv_cache()
-        self.runner.allocate_kv_cache(self.num_blocks)
-        self.runner.step_runner.capture()
-        from paged.engine.faults import install_test_faults
-
-        install_test_faults(self.runner)  # no-op unless a PAGED_TEST_* variable is set
+            install(self.runner, faults)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
@@ -92,22 +78,6 @@ class EngineCore:
             config.block_size,
             self.num_blocks * config.block_size,
         )
-
-    def _size_kv_cache(self) -> int:
-        cfg = self.config
-        per_block = self.runner.bytes_per_block()
-        if cfg.num_kv_blocks is not None:
-            blocks = cfg.num_kv_blocks
-        else:
-            blocks = self.platform.kv_cache_budget(cfg) // per_block
-        need = -(-self.max_model_len // cfg.block_size)
-        if blocks < need:
-            raise ValueError(
-                f"the KV cache holds {blocks} blocks ({blocks * cfg.block_size} tokens), too few "
-                f"for one request of max_model_len={self.max_model_len} ({need} blocks): raise "
-                f"--kv-cache-memory / --gpu-memory-utilization or lower --max-model-len"
-            )
-        return blocks
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
@@ -140,7 +110,7 @@ class EngineCore:
                     f"logit_bias: token id {t} is out of vocabulary "
                     f"(vocabulary size {self.vocab_size})"
                 )
-        params.eos_token_ids = self.eos_token_ids
+        params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)  # ours, not theirs
         req = Request(request_id, prompt_token_ids, params)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -186,9 +156,10 @@ class EngineCore:
         launched = None
         if batch.reqs:
             try:
-                handle = self.runner.launch(batch, prev[1] if prev else None)
+                handle = self.executor.launch(batch, prev[1] if prev else None)
                 launched = (batch, handle, self.scheduler.launched(batch))
             except Exception as e:  # fail this step's requests, keep the engine alive
+                self._fatal(e)
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
             outs += self._resolve(prev)
@@ -208,6 +179,7 @@ class EngineCore:
         try:
             sampled, logprobs = handle.result()
         except Exception as e:
+            self._fatal(e)
             return self._fail([r for r in batch.reqs if not r.finished], e)
         outs = []
         for req, tok in self.scheduler.resolve(batch, computed, handle.reqs, sampled):
@@ -219,6 +191,16 @@ class EngineCore:
                 out.logprobs = [logprobs[req.request_id]]
             outs.append(out)
         return outs
+
+    def _fatal(self, e: Exception) -> None:
+        """A step failed because a worker is gone: the replica cannot go on."""
+        why = self.executor.wait_failure(2.0)
+        if isinstance(e, WorkerFailure) or why is not None:
+            raise WorkerFailure(why or str(e)) from e
+
+    def shutdown(self) -> None:
+        """Stop the workers (a no-op with one rank)."""
+        self.executor.shutdown()
 
     def _fail(self, reqs: list[Request], e: Exception) -> list[EngineOutput]:
         log.exception("step failed", exc_info=e)

@@ -1,19 +1,14 @@
-"""Test-only fault injection into the engine core, switched on by environment variables.
+"""Test-only fault injection into the engine core: `EngineCore(config, faults=Faults(...))`.
 
-    PAGED_TEST_FAULT_TOKEN=ID      a step whose batch holds a request with token ID in its
-                                   prompt raises (the step's requests fail, the engine lives)
-    PAGED_TEST_STEP_DELAY=SECONDS  steps sleep first (to hold requests in flight): every step,
-    PAGED_TEST_SLOW_TOKEN=ID       or only those whose batch holds a prompt with token ID
-
-Read once when the EngineCore starts. Unset (the default), nothing is wrapped and the step
-path is untouched.
+Production code never builds a `Faults`; the reliability tests do (their servers start
+through `tests/fault_server.py`, which reads PAGED_TEST_* variables into one).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("paged")
@@ -23,32 +18,28 @@ class InjectedFault(RuntimeError):
     """The exception an injected step failure raises."""
 
 
-def install_test_faults(runner: Any) -> None:
-    """Wrap runner.launch when a PAGED_TEST_* variable asks for a fault."""
-    token = os.environ.get("PAGED_TEST_FAULT_TOKEN")
-    delay = float(os.environ.get("PAGED_TEST_STEP_DELAY") or 0)
-    if token is None and delay <= 0:
-        return
-    poison = int(token) if token is not None else None
-    slow = os.environ.get("PAGED_TEST_SLOW_TOKEN")
-    slow_id = int(slow) if slow else None
-    log.warning(
-        "TEST FAULT INJECTION ON: fault token %s, step delay %.3f s (slow token %s)",
-        poison,
-        delay,
-        slow_id,
-    )
+@dataclass(frozen=True)
+class Faults:
+    fail_token: int | None = None  # a step whose batch has this token in a prompt raises
+    step_delay: float = 0.0  # steps sleep this long first (to hold requests in flight) ...
+    slow_token: int | None = None  # ... only those whose batch has this token in a prompt
+
+
+def install(runner: Any, faults: Faults) -> None:
+    """Wrap runner.launch with the faults asked for."""
+    log.warning("TEST FAULT INJECTION ON: %s", faults)
     launch = runner.launch
 
     def has(tok: int | None, batch: Any) -> bool:
-        return tok is not None and any(tok in r.prompt_token_ids for r in batch.reqs)
+        return tok is not None and any(tok in r.token_ids[: r.num_prompt_tokens]
+                                       for r in batch.reqs)  # fmt: skip
 
     def launch_with_faults(batch: Any, prev: Any = None) -> Any:
-        if delay > 0 and (slow_id is None or has(slow_id, batch)):
-            time.sleep(delay)
-        if has(poison, batch):
+        if faults.step_delay > 0 and (faults.slow_token is None or has(faults.slow_token, batch)):
+            time.sleep(faults.step_delay)
+        if has(faults.fail_token, batch):
             # The path is there to check that clients never see it.
-            raise InjectedFault(f"injected step failure (token {poison}) in {__file__}")
+            raise InjectedFault(f"injected step failure (token {faults.fail_token}) in {__file__}")
         return launch(batch, prev)
 
     runner.launch = launch_with_faults

@@ -18,6 +18,7 @@ replica fails, /health turns 503 and the server exits 1.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -314,9 +315,10 @@ def make_engine(
     load = _load_once(tokenizer_loader)
     replicas = []
     shares = placements(config, n)
+    one = dataclasses.replace(config, data_parallel_size=1)  # what each replica runs
     for p in shares:
         name = f"paged-core-{p.index}"
-        engine = AsyncEngine(config, log_level, load, faults, placement=p, name=name)
+        engine = AsyncEngine(one, log_level, load, faults, placement=p, name=name)
         replicas.append(Replica(p.index, engine, p))
     log.info("data parallel: %d replicas (%s)", n, ". ".join(p.describe() for p in shares))
     return ReplicaSet(replicas)

@@ -7,9 +7,6 @@ import time
 
 from paged.sampling.params import SamplingParams
 
-# Stands in token_ids for a token still being sampled on the device (overlapped steps).
-PLACEHOLDER = -1
-
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -38,7 +35,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.num_preemptions = 0
-        self.generator = None  # per-request torch.Generator for seeded sampling
 
     @property
     def num_tokens(self) -> int:

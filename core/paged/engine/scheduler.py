@@ -8,26 +8,10 @@ out, the newest running request is preempted (its blocks freed, recomputed later
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from paged.engine.kv_cache import KVCacheManager
-from paged.engine.request import PLACEHOLDER, Request, Status
-
-
-@dataclass
-class Batch:
-    """One step's work, decodes first: request i computes num_new[i] more tokens."""
-
-    reqs: list[Request] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)
-    num_decodes: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
-    def __len__(self) -> int:
-        return len(self.reqs)
+from paged.engine.request import Request, Status
+from paged.scheduled import PLACEHOLDER, ScheduledBatch
 
 
 class Scheduler:
@@ -41,6 +25,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.finished_ids: list[str] = []  # ended since the last schedule(): workers forget them
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -48,9 +33,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
+    def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        batch, preempted = Batch(), False
+        batch, preempted = ScheduledBatch(finished_ids=self.finished_ids), False
+        self.finished_ids = []
         # Running requests: decodes first (stable sort keeps admission order within each).
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
@@ -107,7 +93,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def launched(self, batch: Batch) -> list[int]:
+    def launched(self, batch: ScheduledBatch) -> list[int]:
         """The step is on the device: advance each request by the tokens it computes. A request
         that completes its prompt or decodes gets a PLACEHOLDER for the token being sampled.
         Returns each request's computed count."""
@@ -121,7 +107,11 @@ class Scheduler:
         return computed
 
     def resolve(
-        self, batch: Batch, computed: list[int], sampling: list[Request], sampled: list[int]
+        self,
+        batch: ScheduledBatch,
+        computed: list[int],
+        sampling: list[Request],
+        sampled: list[int],
     ) -> list[tuple[Request, int]]:
         """A launched step's tokens have landed: each replaces its request's oldest placeholder
         and is checked for a stop. `sampling`: the requests that sampled, in row order (the
@@ -162,6 +152,7 @@ class Scheduler:
         ) or length >= self.max_model_len
 
     def _finish(self, req: Request) -> None:
+        self.finished_ids.append(req.request_id)
         if req.num_pending:  # tokens of steps still in flight: no longer wanted
             del req.token_ids[req.num_tokens - req.num_pending :]
             req.num_pending = 0

@@ -11,8 +11,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from paged.distributed import parallel, tp_all_reduce, tp_gather_first
 from paged.model import ops
 from paged.model.attention import AttentionBackend, AttentionMetadata
+from paged.model.parallel import (
+    VocabParallelEmbedding,
+    head_shard,
+    split_range,
+    vocab_shard,
+)
 
 
 def rope_params(hf_config) -> tuple[torch.Tensor, float]:
@@ -51,10 +58,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """This rank's heads (`shard`); the o_proj output is summed over tensor-parallel ranks."""
+
     def __init__(self, cfg, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        p = parallel()
+        self.shard = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, p.tp_size,
+                                p.tp_rank)  # fmt: skip
+        self.num_heads = self.shard.q_count
+        self.num_kv_heads = self.shard.kv_count
         self.head_dim = head_dim_of(cfg)
         bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -78,18 +90,23 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.get("rotary_embedding")(positions, q, k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, meta)
-        return self.o_proj(out.reshape(t, -1))
+        return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
 class MLP(nn.Module):
+    """This rank's columns [inter_start, inter_end) of the intermediate layer."""
+
     def __init__(self, cfg) -> None:
         super().__init__()
+        p = parallel()
+        self.inter_start, self.inter_end = split_range(cfg.intermediate_size, p.tp_size, p.tp_rank)
+        inter = self.inter_end - self.inter_start
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.get("silu_and_mul")(self.gate_up_proj(x)))
+        return tp_all_reduce(self.down_proj(ops.get("silu_and_mul")(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -143,18 +160,29 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
+        """This rank's part: its tensor-parallel shard of its pipeline stage's layers. The
+        first stage also holds the embedding and the head (it samples), the last the final
+        norm."""
         super().__init__()
+        p = parallel()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.start_layer, self.end_layer = split_range(cfg.num_hidden_layers, p.pp_size, p.pp_rank)
+        self.first, self.last = p.is_first_stage, p.is_last_stage
+        self.vocab_start, self.vocab_end = vocab_shard(cfg.vocab_size, p.tp_size, p.tp_rank)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head = TiedHead(self.embed_tokens)
-        else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_tokens = self.lm_head = self.norm = None
+        if self.first:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+            if self.tied:
+                self.lm_head = TiedHead(self.embed_tokens)
+            else:
+                rows = self.vocab_end - self.vocab_start
+                self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend) for _ in range(self.start_layer, self.end_layer)
+        )
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.max_model_len = max_model_len
         self.cos_sin: torch.Tensor | None = None  # set by init_rope() on the real device
 
@@ -162,26 +190,49 @@ class LlamaForCausalLM(nn.Module):
         self.cos_sin = rope_cache(self.config, self.max_model_len).to(device)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states on the last pipeline stage; (hidden, residual) for the
+        next stage elsewhere. Stages after the first start from `intermediate`."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
         rope = ops.get("rotary_prepare")(positions, self.cos_sin, x.dtype)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta, rope)
+        if not self.last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the whole vocabulary on the first tensor-parallel rank (None on
+        the others, which only contribute their vocabulary shard)."""
+        logits = tp_gather_first(self.lm_head(hidden))
+        if logits is None:
+            return None
+        return logits[..., : self.config.vocab_size].float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (cast to each parameter's dtype); returns names loaded."""
+        """Copy this rank's part of HF-named tensors in (cast to each parameter's dtype);
+        returns the names loaded. Tensors of other pipeline stages are skipped."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
                 continue
-            name = name.removeprefix("model.")
+            name = self._local_name(name.removeprefix("model."))
+            if name is None:
+                continue
+            if name == "embed_tokens.weight":
+                self.embed_tokens.load(tensor)
+                loaded.add(name)
+                continue
             parts = name.split(".")
             target, shard = name, None
             for frag, (stacked, idx) in self.stacked.items():
@@ -191,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
             param = params[target]
+            tensor = self._tp_slice(name, parts, tensor)
             with torch.no_grad():
                 if shard is None:
                     if param.shape != tensor.shape:
@@ -206,10 +258,54 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 
+    def _local_name(self, name: str) -> str | None:
+        """The parameter name on this stage (layers renumbered from 0), or None for a weight
+        another stage holds."""
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            i = int(i)
+            if not self.start_layer <= i < self.end_layer:
+                return None
+            return f"layers.{i - self.start_layer}.{rest}"
+        if name.startswith("embed_tokens.") and not self.first:
+            return None
+        if name.startswith("lm_head.") and not self.first:
+            return None
+        if name.startswith("norm.") and not self.last:
+            return None
+        return name
+
+    def _tp_slice(self, name: str, parts: list[str], t: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's slice of a full checkpoint tensor."""
+        if parallel().tp_size == 1:
+            return t
+        attn = self.layers[0].self_attn
+        hs, d = attn.shard, attn.head_dim
+        mlp = self.layers[0].mlp
+        if "q_proj" in parts:
+            return t.narrow(0, hs.q_start * d, hs.q_count * d)
+        if "k_proj" in parts or "v_proj" in parts:
+            return t.narrow(0, hs.kv_start * d, hs.kv_count * d)
+        if "gate_proj" in parts or "up_proj" in parts:
+            return t.narrow(0, mlp.inter_start, mlp.inter_end - mlp.inter_start)
+        rank0 = parallel().tp_rank == 0
+        if "o_proj" in parts or "down_proj" in parts:  # row-parallel: the bias is added once
+            if name.endswith(".bias"):
+                return t if rank0 else torch.zeros_like(t)
+            if "o_proj" in parts:
+                return t.narrow(1, hs.q_start * d, hs.q_count * d)
+            return t.narrow(1, mlp.inter_start, mlp.inter_end - mlp.inter_start)
+        if name == "lm_head.weight":
+            rows = t[self.vocab_start : min(self.vocab_end, t.shape[0])]
+            pad = self.vocab_end - self.vocab_start - rows.shape[0]
+            return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+        return t
+
     def _shard_sizes(self, target: str) -> list[int]:
         if "qkv_proj" in target:
             return list(self.layers[0].self_attn.sizes)
-        inter = self.config.intermediate_size
+        mlp = self.layers[0].mlp
+        inter = mlp.inter_end - mlp.inter_start
         return [inter, inter]
 
     def expected_weights(self) -> set[str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged.engine.request import Request
+from paged.scheduled import RequestView
 
 
 @dataclass
@@ -22,14 +22,19 @@ class SamplingBatch:
     all_greedy: bool
     generators: dict[int, torch.Generator]  # row -> generator of a seeded request
     penalties: tuple[torch.Tensor, ...] | None  # repetition, presence, frequency [N]
-    reqs: list[Request]
+    reqs: list[RequestView]
     min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid)
     logit_bias: list[tuple[int, dict[int, float]]]
 
 
 def build_sampling_batch(
-    reqs: list[Request], device: torch.device, vocab_size: int
+    reqs: list[RequestView],
+    device: torch.device,
+    vocab_size: int,
+    generators: dict[str, torch.Generator],
 ) -> SamplingBatch:
+    """`generators`: the worker's per-request generators of seeded requests (by request id),
+    created here on a request's first random draw; they survive preemption."""
     ps = [r.params for r in reqs]
     greedy = [p.greedy for p in ps]
     simple = all(greedy) and not any(
@@ -47,10 +52,11 @@ def build_sampling_batch(
     gens: dict[int, torch.Generator] = {}
     for i, (r, g) in enumerate(zip(reqs, greedy)):
         if not g and r.params.seed is not None:
-            if r.generator is None:
-                r.generator = torch.Generator(device=device)
-                r.generator.manual_seed(r.params.seed)
-            gens[i] = r.generator
+            gen = generators.get(r.request_id)
+            if gen is None:
+                gen = generators[r.request_id] = torch.Generator(device=device)
+                gen.manual_seed(r.params.seed)
+            gens[i] = gen
     min_tok = []
     for i, r in enumerate(reqs):
         p = r.params

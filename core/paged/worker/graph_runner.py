@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from paged.model.attention import AttentionMetadata
-from paged.step_runner import StepRunner
+from paged.worker.step_runner import StepRunner
 
 log = logging.getLogger("paged")
 

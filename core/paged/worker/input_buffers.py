@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from paged.engine.scheduler import Batch
 from paged.model.attention import AttentionMetadata
+from paged.scheduled import ScheduledBatch
+
+HEADER = 8  # ints describing a packed step: see InputBuffers.pack_host
 
 
 class InputBuffers:
@@ -42,17 +44,26 @@ class InputBuffers:
         self.turn = 0
 
     def pack(
-        self, batch: Batch, prev_rows: dict[str, int] | None = None
+        self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor | None]:
         """(input ids, positions, metadata, logits rows, fills). Input tokens that are still
         placeholders (sampled by the step in flight) are listed in `fills`, a [2, n] device
         tensor of (input index, row of the previous step's sampled tokens, from `prev_rows`)."""
+        return self.load(self.pack_host(batch, prev_rows))
+
+    def take_set(self) -> None:
+        """Switch to the other set of host buffers, once the device has read it."""
         turn = self.turn
         self.turn ^= 1
         if self.copied[turn] is not None:  # the device may still be reading this set
             self.copied[turn].synchronize()
             self.copied[turn] = None
         self.i64, self.i32 = self.sets[turn]
+
+    def pack_host(self, batch: ScheduledBatch, prev_rows: dict[str, int] | None) -> list[int]:
+        """Fill a set of host buffers with the step; returns its header (the sizes `load`
+        and other ranks need: HEADER ints)."""
+        self.take_set()
         reqs, bs = batch.reqs, self.block_size
         b = len(reqs)
         q = np.asarray(batch.num_new, dtype=np.int64)
@@ -82,33 +93,43 @@ class InputBuffers:
         n64[2 * t : 3 * t] = slots
         nl = len(last)
         n64[3 * t : 3 * t + nl] = last
-        end = 3 * t + nl
         if fills:
-            n64[end : end + 2 * len(fills)] = np.asarray(fills, dtype=np.int64).T.ravel()
-            end += 2 * len(fills)
+            n64[3 * t + nl : 3 * t + nl + 2 * len(fills)] = np.asarray(fills).T.ravel()
         n32 = self.i32.numpy()
         n32[0] = 0
         n32[1 : b + 1] = ends
         n32[b + 1 : 2 * b + 1] = seq
         n32[2 * b + 1 : 2 * b + 1 + b * width] = table.ravel()
-        d64 = self.to_device(self.i64[:end])
-        d32 = self.to_device(self.i32[: 2 * b + 1 + b * width])
-        self.copied[turn] = self.mark_copied()
-        seq_list = seq.tolist()
+        return [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
+
+    def views(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The used part of the current host buffers (int64, int32) for a step's header."""
+        b, t, width, nl, nfill = header[:5]
+        return self.i64[: 3 * t + nl + 2 * nfill], self.i32[: 2 * b + 1 + b * width]
+
+    def load(
+        self, header: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor | None]:
+        """Copy the current host buffers to the device; the step's tensors as `pack` returns."""
+        b, t, width, nl, nfill, num_decodes, max_query_len, max_seq_len = header
+        h64, h32 = self.views(header)
+        ends = h32[1 : b + 1].numpy()
+        d64, d32 = self.to_device(h64), self.to_device(h32)
+        self.copied[self.turn ^ 1] = self.mark_copied()
         meta = AttentionMetadata(
             num_reqs=b,
-            num_decodes=batch.num_decodes,
+            num_decodes=num_decodes,
             num_tokens=t,
             query_start_loc=d32[: b + 1],
             seq_lens=d32[b + 1 : 2 * b + 1],
             block_tables=d32[2 * b + 1 :].view(b, width),
             slot_mapping=d64[2 * t : 3 * t],
-            max_query_len=int(q.max()),
-            max_seq_len=max(seq_list),
-            query_lens_cpu=list(batch.num_new),
-            seq_lens_cpu=seq_list,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_lens_cpu=np.diff(ends, prepend=0).tolist(),
+            seq_lens_cpu=h32[b + 1 : 2 * b + 1].tolist(),
         )
-        fill = d64[3 * t + nl :].view(2, -1) if fills else None
+        fill = d64[3 * t + nl :].view(2, -1) if nfill else None
         return d64[:t], d64[t : 2 * t], meta, d64[3 * t : 3 * t + nl], fill
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

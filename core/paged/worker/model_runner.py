@@ -8,16 +8,20 @@ import time
 import torch
 
 from paged.config import EngineConfig
-from paged.engine.scheduler import Batch
-from paged.input_buffers import InputBuffers
+from paged.distributed import broadcast_host, parallel, recv_from_stage, send_to_stage
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
 from paged.model.llama import head_dim_of
+from paged.model.parallel import head_shard
 from paged.model.registry import model_class
 from paged.platform import Platform
+from paged.sampling.params import SamplingParams
 from paged.sampling.sampler import build_sampling_batch, sample
+from paged.scheduled import ScheduledBatch
+from paged.worker.input_buffers import InputBuffers
 
 log = logging.getLogger("paged")
+STEP, STOP = 1, 2  # the first int of a step header the driver sends the other ranks
 
 
 class ModelRunner:
@@ -39,9 +43,12 @@ class ModelRunner:
         self.block_size = config.block_size
         ops.use(platform.ops())
         head_dim = head_dim_of(hf_config)
+        p = parallel()  # this rank's heads (all of them with one rank)
+        heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads,
+                           p.tp_size, p.tp_rank)  # fmt: skip
         self.backend = platform.attention_backend()(
-            hf_config.num_attention_heads,
-            hf_config.num_key_value_heads,
+            heads.q_count,
+            heads.kv_count,
             head_dim,
             head_dim**-0.5,
             config.block_size,
@@ -65,6 +72,7 @@ class ModelRunner:
         self.overlap = bool(
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
         )
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
 
     def _build_model(self, weights, source) -> torch.nn.Module:
         cls = model_class(self.hf_config)
@@ -107,18 +115,14 @@ class ModelRunner:
     def profile_run(self) -> None:
         """A forward over `max_num_batched_tokens` tokens and logits for `max_num_seqs` rows,
         on a throwaway KV cache, so the platform sees the activation peak."""
-        from paged.engine.request import Request
-        from paged.engine.scheduler import Batch
-        from paged.sampling.params import SamplingParams
-
         cfg, bs = self.config, self.block_size
         budget = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
-        batch, next_block = Batch(), 0
+        batch, next_block = ScheduledBatch(), 0
         while budget > 0:
             n = min(budget, self.max_model_len - 1)
-            req = Request(f"profile-{len(batch)}", [0] * n, SamplingParams(temperature=0))
             nblocks = -(-n // bs)
-            req.block_ids = list(range(next_block, next_block + nblocks))
+            blocks = list(range(next_block, next_block + nblocks))
+            req = ProfileRequest(f"profile-{len(batch)}", [0] * n, blocks)
             next_block += nblocks
             batch.reqs.append(req)
             batch.num_new.append(n)
@@ -127,9 +131,12 @@ class ModelRunner:
         self.allocate_kv_cache(next_block)
         with torch.inference_mode():
             input_ids, positions, meta, _ = self.prepare(batch)
-            hidden = self.step_runner.forward(input_ids, positions, meta)
             rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
-            self.model.compute_logits(hidden[rows]).softmax(-1)
+            hidden = self.forward(input_ids, positions, meta, rows)
+            if hidden is not None:
+                logits = self.model.compute_logits(hidden)
+                if logits is not None:
+                    logits.softmax(-1)
         self.platform.synchronize()
         self.kv_caches = []
         for layer in self.model.layers:
@@ -139,29 +146,34 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
     def prepare(
-        self, batch: Batch
+        self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input ids, positions, attention metadata, logits rows) on the device."""
         return self.inputs.pack(batch)[:4]
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Queue one step on the device: forward, logits, sampling. Input tokens still pending
         from `prev` (the step in flight) are taken from its sampled tokens on the device."""
+        for rid in batch.finished_ids:
+            self.generators.pop(rid, None)
         prev_rows = prev.rows if prev is not None else None
-        input_ids, positions, meta, logits_idx, fill = self.inputs.pack(batch, prev_rows)
+        header = self.inputs.pack_host(batch, prev_rows)
+        if parallel().world_size > 1:  # the other ranks run the same step (worker.follow_steps)
+            broadcast_host(torch.tensor([STEP, *header], dtype=torch.int64))
+            for view in self.inputs.views(header):
+                broadcast_host(view)
+        input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
         if fill is not None:
             input_ids[fill[0]] = prev.tokens[fill[1]]
-        hidden = self.step_runner.forward(input_ids, positions, meta)
+        hidden = self.forward(input_ids, positions, meta, logits_idx)
         reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
         if not reqs:
             return StepHandle(reqs, None, [], None)
-        if logits_idx.numel() != hidden.shape[0]:  # pure decode steps need no gather
-            hidden = hidden[logits_idx]
         logits = self.model.compute_logits(hidden)
         want = [r.params.logprobs for r in reqs]
         k = max((w or 0 for w in want), default=0)
-        sb = build_sampling_batch(reqs, self.device, self.vocab_size)
+        sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
         tokens = sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
@@ -178,9 +190,67 @@ class ModelRunner:
             handle.host = [tokens, *extra]
         return handle
 
+    @torch.inference_mode()
+    def follow(self, header: list[int]) -> None:
+        """A rank other than the driver: run the step whose inputs just arrived in the current
+        host buffers (its part of the forward, and of the logits' gather)."""
+        input_ids, positions, meta, logits_idx, _ = self.inputs.load(header)
+        hidden = self.forward(input_ids, positions, meta, logits_idx)
+        if hidden is not None:
+            self.model.compute_logits(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_idx: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The final hidden states of the rows in `logits_idx`, on the first pipeline stage
+        (None elsewhere, or when no row needs logits). Pipeline stages run one after another,
+        each sending (hidden, residual) to the next; the last sends the rows back."""
+        p, nl = parallel(), logits_idx.numel()
+        if p.pp_size == 1:
+            hidden = self.step_runner.forward(input_ids, positions, meta)
+            if nl == 0:
+                return None
+            return hidden if nl == hidden.shape[0] else hidden[logits_idx]
+        meta = self.backend.plan(meta)
+        t, dim = input_ids.shape[0], self.hf_config.hidden_size
+        if p.is_first_stage:
+            send_to_stage(list(self.model(input_ids, positions, meta)), 1)
+            if nl == 0:
+                return None
+            rows = torch.empty(nl, dim, dtype=self.dtype, device=self.device)
+            return recv_from_stage([rows], p.pp_size - 1)[0]
+        like = [torch.empty(t, dim, dtype=self.dtype, device=self.device) for _ in range(2)]
+        out = self.model(input_ids, positions, meta, tuple(recv_from_stage(like, p.pp_rank - 1)))
+        if not p.is_last_stage:
+            send_to_stage(list(out), p.pp_rank + 1)
+        elif nl:
+            send_to_stage([out[logits_idx]], 0)
+        return None
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
         return host.copy_(t, non_blocking=True)
+
+
+class ProfileRequest:
+    """A stand-in request for the profiling forward (a RequestView)."""
+
+    def __init__(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.params = SamplingParams(temperature=0)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(token_ids)
+        self.num_computed_tokens = 0
+        self.num_pending = 0
+        self.block_ids = block_ids
+
+    num_tokens = property(lambda self: len(self.token_ids))
+    num_output_tokens = property(lambda self: 0)
+    output_token_ids = property(lambda self: [])
 
 
 class StepHandle:

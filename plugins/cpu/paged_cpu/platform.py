@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from functools import cache
+from functools import cache, partial
 
 import torch
 
-from paged.platform import Platform
+from paged.platform import Platform, PlatformOption
 
 
 @cache
@@ -32,6 +32,29 @@ class CpuPlatform(Platform):
     priority = 10  # the fallback: any accelerator ranks above
     dist_backend = "gloo"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    options = (
+        PlatformOption(
+            "cpu_native",
+            "the C++ kernels (decode attention, fused bf16 ops, GGUF blocks) where built; "
+            "off: torch ops only",
+            True,
+            env="PAGED_CPU_NATIVE",
+        ),
+        PlatformOption(
+            "cpu_packed_weights",
+            "bf16/fp16 linear weights reordered once for oneDNN; off: plain F.linear on the "
+            "loaded weights (what HF computes)",
+            True,
+            env="PAGED_CPU_PACKED_WEIGHTS",
+        ),
+        PlatformOption(
+            "cpu_gguf_blocks",
+            "a bf16 GGUF model's Q4_0/Q4_1/Q8_0 linears computed from the file's blocks with "
+            "8-bit activations (AVX-512 VNNI); off: dense bf16",
+            True,
+            env="PAGED_CPU_GGUF_BLOCKS",
+        ),
+    )
 
     @classmethod
     def probe(cls) -> str | None:
@@ -62,19 +85,23 @@ class CpuPlatform(Platform):
 
         with torch.no_grad():
             bf16 = config.torch_dtype == torch.bfloat16
-            if source is not None and source.kind == "gguf" and bf16:
+            whole = config.world_size == 1  # the file's blocks are whole layers, not shards
+            gguf = source is not None and source.kind == "gguf"
+            blocks = self.option("cpu_gguf_blocks") and self.option("cpu_native")
+            if gguf and bf16 and whole and blocks:
                 use_gguf_blocks(model, source, model.config)
-            pack_linears(model, config.torch_dtype)  # the layers still dense
+            if self.option("cpu_packed_weights"):
+                pack_linears(model, config.torch_dtype)  # the layers still dense
 
     def ops(self):
         from paged_cpu.fused_ops import fused_ops
 
-        return fused_ops()
+        return fused_ops(self.option("cpu_native"))
 
     def attention_backend(self):
         from paged_cpu.attention import CpuAttentionBackend
 
-        return CpuAttentionBackend
+        return partial(CpuAttentionBackend, native=self.option("cpu_native"))
 
     def describe(self) -> dict[str, str]:
         import platform

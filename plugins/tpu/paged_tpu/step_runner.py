@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from paged.model.attention import AttentionMetadata
-from paged.step_runner import StepRunner
+from paged.worker.step_runner import StepRunner
 from paged_tpu.attention import unpack
 from paged_tpu.buckets import Buckets, Layout, dummy_step, pack_step, pad_to
 

@@ -1,0 +1,51 @@
+"""What one step asks of the workers, in types that sit below both the engine and the worker:
+the scheduled batch and a read-only view of each request in it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from paged.sampling.params import SamplingParams
+
+# Stands in token_ids for a token still being sampled on the device (overlapped steps).
+PLACEHOLDER = -1
+
+
+class RequestView(Protocol):
+    """What a worker reads of a request (the engine's Request is one)."""
+
+    request_id: str
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output; trailing PLACEHOLDERs for tokens being sampled
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens whose K/V are in the cache (before this step)
+    num_pending: int  # trailing PLACEHOLDERs
+    block_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work, decodes first: request i computes num_new[i] more tokens."""
+
+    reqs: list[RequestView] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    num_decodes: int = 0
+    # Requests that ended since the last step: workers drop what they keep for them.
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
