@@ -22,8 +22,11 @@ from paged import LLM, SamplingParams  # noqa: E402
 from paged.model.loader import default_model_path  # noqa: E402
 
 
-def bench_paged(path: str, prompts: list[list[int]], max_tokens: int, dtype: str) -> float:
-    llm = LLM(path, dtype=dtype, max_model_len=2048)
+def bench_paged(
+    path: str, prompts: list[list[int]], max_tokens: int, dtype: str, **options: object
+) -> float:
+    """`options`: platform options, e.g. cpu_gguf_blocks=False."""
+    llm = LLM(path, dtype=dtype, max_model_len=2048, **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -127,12 +130,10 @@ def main() -> None:
         for dtype in ("bfloat16", "float32") if first else ("bfloat16",):
             record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
         if first:  # bf16 without the GGUF block linears (8-bit activations): dense weights
-            os.environ["PAGED_CPU_GGUF_BLOCKS"] = "0"
             record(
-                f"paged bfloat16 dense (PAGED_CPU_GGUF_BLOCKS=0), {n} prompts x {m} tokens",
-                bench_paged(path, ids, m, "bfloat16"),
+                f"paged bfloat16 dense (--no-cpu-gguf-blocks), {n} prompts x {m} tokens",
+                bench_paged(path, ids, m, "bfloat16", cpu_gguf_blocks=False),
             )
-            del os.environ["PAGED_CPU_GGUF_BLOCKS"]
         record(
             f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
             _batch1(path, ids[: args.batch1_prompts], m),

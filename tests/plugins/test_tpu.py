@@ -156,25 +156,30 @@ def test_pack_step_pads_to_the_layout():
         pack_step(layout, *([np.zeros(17, np.int64)] * 3), qsl, np.array([6, 3]), np.zeros((2, 2)))
 
 
-def test_kernel_layout_and_choice(monkeypatch):
-    monkeypatch.setenv(ta.ATTENTION_ENV, "pallas")
-    backend = ta.TpuAttentionBackend(4, 2, 64, 0.125, 16, torch.bfloat16, torch.device("cpu"))
+def test_kernel_layout_and_choice(monkeypatch, tpu_registered):
+    """--tpu-attention through the platform; PAGED_TPU_ATTENTION only without it."""
+    args = (4, 2, 64, 0.125, 16, torch.bfloat16, torch.device("cpu"))
+    platform = TpuPlatform()
+    monkeypatch.setenv(ta.ATTENTION_ENV, "pallas")  # the fallback, no flag given
+    backend = platform.attention_backend()(*args)
     assert backend.use_kernel and backend.kv_cache_shape(10) == (10, 16, 4, 128)
-    monkeypatch.setenv(ta.ATTENTION_ENV, "torch")
-    backend = ta.TpuAttentionBackend(4, 2, 64, 0.125, 16, torch.bfloat16, torch.device("cpu"))
+    platform.configure({"tpu_attention": "torch"})  # the flag wins over the environment
+    backend = platform.attention_backend()(*args)
     assert not backend.use_kernel and backend.kv_cache_shape(10) == (10, 16, 4, 64)
-    monkeypatch.setenv(ta.ATTENTION_ENV, "cuda")
+    assert ta.TpuAttentionBackend(*args, attention="pallas").use_kernel
     with pytest.raises(ValueError, match="auto, pallas or torch"):
-        ta.use_pallas_kernel()
+        ta.use_pallas_kernel("cuda")
+    monkeypatch.setenv(ta.ATTENTION_ENV, "cuda")
+    with pytest.raises(ValueError, match="PAGED_TPU_ATTENTION='cuda': use auto, pallas, torch"):
+        TpuPlatform().configure({})
 
 
 def test_static_torch_attention_matches_cpu_backend(monkeypatch):
     """A mixed step (decodes, a chunk over cached context, a fresh prompt) padded to a
     bucket: real rows equal the cpu backend's, padding writes nowhere."""
-    monkeypatch.setenv(ta.ATTENTION_ENV, "torch")
     bs, h, hkv, d = 16, 4, 2, 32
     args = (h, hkv, d, d**-0.5, bs, torch.float32, torch.device("cpu"))
-    tpu, cpu = ta.TpuAttentionBackend(*args), CpuAttentionBackend(*args)
+    tpu, cpu = ta.TpuAttentionBackend(*args, attention="torch"), CpuAttentionBackend(*args)
     reqs = [(40, 1), (3, 1), (20, 9), (0, 12)]  # (cached context, new tokens), decodes first
     gen = torch.Generator().manual_seed(0)
     nblocks = [-(-(c + n) // bs) for c, n in reqs]

@@ -73,7 +73,8 @@ def hf_from_paged(model, hf_config, dtype, device):
     if any(not hasattr(m, "weight") for m in model.modules() if hasattr(m, "out_features")):
         raise ValueError(
             "the engine's weights were reordered for this device (paged-cpu, bfloat16): "
-            "set PAGED_CPU_PACKED_WEIGHTS=0 to compare with HF on the same weights"
+            "pass --no-cpu-packed-weights (LLM(cpu_packed_weights=False); env fallback "
+            "PAGED_CPU_PACKED_WEIGHTS=0) to compare with HF on the same weights"
         )
     from transformers import AutoModelForCausalLM
 

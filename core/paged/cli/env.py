@@ -1,4 +1,5 @@
-"""``paged env``: what a bug report needs: versions, system, platform, plugins, env vars."""
+"""``paged env``: what a bug report needs: versions, system, platform, its options, plugins,
+env vars."""
 
 from __future__ import annotations
 
@@ -102,6 +103,28 @@ def _platforms() -> dict[str, str]:
     return out
 
 
+def _platform_options() -> dict[str, str]:
+    """Every platform's options: flag, default, and the environment variable read when the
+    flag (or LLM argument) is not given, with its value here."""
+    from paged.config import platform_options
+
+    out = {}
+    try:
+        for platform, opt in platform_options().values():
+            if isinstance(opt.default, bool):
+                flag = f"--[no-]{opt.flag[2:]}"
+            else:
+                flag = f"{opt.flag} {{{','.join(opt.choices or ())}}}"
+            fallback = "no env fallback"
+            if opt.env:
+                value = os.environ.get(opt.env)
+                fallback = f"env fallback {opt.env}" + ("=" + value if value else " (unset)")
+            out[flag] = f"{platform}, default {opt.default}; {fallback}"
+    except Exception as e:  # an env report must not fail on the thing it reports
+        out["(error)"] = f"{type(e).__name__}: {e}"
+    return out or {"(none)": "no platform declares options"}
+
+
 def _plugins() -> dict[str, str]:
     eps = metadata.entry_points(group="paged")
     out = {}
@@ -138,6 +161,7 @@ def collect() -> dict[str, dict[str, str]]:
         "system": system,
         "torch": _torch(),
         "platforms": _platforms(),
+        "platform options (flags; LLM(name=...))": _platform_options(),
         "plugins (entry points 'paged')": _plugins(),
         "environment": _env_vars(),
     }

@@ -33,7 +33,13 @@ def load_chat_template(template: str | None) -> str | None:
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, **kwargs)
+        """`kwargs`: EngineConfig fields, and the platforms' options (``cpu_native=False``)."""
+        import dataclasses
+
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        options = dict(kwargs.pop("platform_options", None) or {})
+        options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})
+        self.config = EngineConfig(model=model, **kwargs, platform_options=options)
         self.engine = EngineCore(self.config)
         self.tokenizer = None
         if self.engine.source is not None:

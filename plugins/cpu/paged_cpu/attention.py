@@ -29,11 +29,12 @@ class CpuPlan:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu-torch"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, native: bool = True, **kwargs) -> None:
+        """`native`: use the C++ decode kernel where built (the platform's cpu_native)."""
         super().__init__(*args, **kwargs)
         from paged_cpu.native import kernels
 
-        self.native = kernels()  # the C++ decode kernel, or None: torch ops
+        self.native = kernels(native)  # the C++ decode kernel, or None: torch ops
         if self.native is not None:
             self.name = "cpu-native"
 

@@ -1,6 +1,6 @@
 """The CPU plugin's fused bfloat16 elementwise ops (csrc/elementwise.cpp) for paged.model.ops:
 one pass per row instead of 5-10 torch ops. Other dtypes, and machines without the C++
-kernels, keep the torch defaults."""
+kernels (or with them switched off: the cpu_native option), keep the torch defaults."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from paged.model import ops
 
 
-def fused_ops() -> dict[str, Callable]:
+def fused_ops(native_kernels: bool = True) -> dict[str, Callable]:
     from paged_cpu.native import kernels
 
-    native = kernels()
+    native = kernels(native_kernels)
     if native is None:
         return {}
 

@@ -3,13 +3,13 @@
 bfloat16/float16 only: a plain `F.linear` re-reads the row-major weight at every step, which
 oneDNN handles at a fraction of the memory bandwidth for the skinny matrices of decoding
 (measured in bench/results/cpu.md). float32 keeps `F.linear`, HF transformers' own path, so
-float32 output stays token-identical to it. Set PAGED_CPU_PACKED_WEIGHTS=0 to turn this off.
+float32 output stays token-identical to it. `--no-cpu-packed-weights` (LLM(cpu_packed_weights=
+False), fallback PAGED_CPU_PACKED_WEIGHTS=0) turns this off: CpuPlatform.prepare_model decides.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
@@ -44,10 +44,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every linear layer (and a tied output head) by a PackedLinear; returns how
-    many were replaced. No-op for float32, without oneDNN, or when switched off."""
+    many were replaced. No-op for float32 or without oneDNN."""
     if dtype not in (torch.bfloat16, torch.float16) or not packing_available():
-        return 0
-    if os.environ.get("PAGED_CPU_PACKED_WEIGHTS", "1") == "0":
         return 0
     from paged.model.llama import TiedHead
 
@@ -112,10 +110,11 @@ def pack_blocks(
 def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
     """Give each bf16 linear layer whose every piece is a Q4_0/Q4_1/Q8_0 tensor of the GGUF
     model `source` those blocks (stacked q/k/v and gate/up rows concatenated; a tied output
-    head its embedding's). Returns how many layers were replaced."""
+    head its embedding's). Returns how many layers were replaced (none without the C++
+    kernels or their CPU features)."""
     from paged.model.loader import iter_weight_blocks
 
-    if os.environ.get("PAGED_CPU_GGUF_BLOCKS", "1") == "0" or not gguf_blocks_available():
+    if not gguf_blocks_available():
         return 0
     tied = getattr(model, "tied", False)
     quant = {}

@@ -10,8 +10,8 @@ dies), then the module is moved into place atomically: an interrupted build leav
 another process waits on.
 
 An engine only loads a finished build (`kernels()`); it never compiles. Without one (no build
-yet, no compiler, or ``PAGED_CPU_NATIVE=0``), `kernels()` is None and the backend uses torch
-ops instead.
+yet, no compiler, or switched off: ``--no-cpu-native``, ``LLM(cpu_native=False)``, fallback
+``PAGED_CPU_NATIVE=0``), `kernels()` is None and the backend uses torch ops instead.
 """
 
 from __future__ import annotations
@@ -83,11 +83,14 @@ def _import(path: Path) -> Any:
     return module
 
 
+def kernels(enabled: bool = True) -> Any | None:
+    """The built kernels module, or None (torch ops instead): always None when not `enabled`
+    (the platform's cpu_native option). Never compiles."""
+    return _load() if enabled else None
+
+
 @cache
-def kernels() -> Any | None:
-    """The built kernels module, or None (torch ops instead). Never compiles."""
-    if os.environ.get("PAGED_CPU_NATIVE", "1") == "0":
-        return None
+def _load() -> Any | None:
     import torch  # noqa: F401  (the module links against torch's libraries)
 
     path = module_path()

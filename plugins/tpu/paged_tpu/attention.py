@@ -12,7 +12,6 @@ with no data-dependent control flow: every token gathers its request's whole blo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,14 +20,16 @@ import torch.nn.functional as F
 from paged.model.attention import AttentionBackend, AttentionMetadata
 from paged_tpu.buckets import Layout
 
-ATTENTION_ENV = "PAGED_TPU_ATTENTION"  # auto | pallas | torch
+ATTENTION_ENV = "PAGED_TPU_ATTENTION"  # the tpu_attention option's fallback
+CHOICES = ("auto", "pallas", "torch")
 KERNEL_LANES = 128  # the Pallas kernel wants head_dim a multiple of the TPU lane count
 
 
-def use_pallas_kernel() -> bool:
-    choice = os.environ.get(ATTENTION_ENV, "auto").lower()
-    if choice not in ("auto", "pallas", "torch"):
-        raise ValueError(f"{ATTENTION_ENV}={choice!r}: use auto, pallas or torch")
+def use_pallas_kernel(choice: str = "auto") -> bool:
+    """`choice`: the tpu_attention option (`--tpu-attention`, fallback PAGED_TPU_ATTENTION):
+    auto picks the Pallas kernel on TPU chips, the torch path elsewhere."""
+    if choice not in CHOICES:
+        raise ValueError(f"tpu_attention={choice!r}: use auto, pallas or torch")
     if choice != "auto":
         return choice == "pallas"
     from paged_tpu.platform import pjrt_device, tpu_chips
@@ -77,9 +78,10 @@ def unpack(
 class TpuAttentionBackend(AttentionBackend):
     name = "xla-torch"
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, attention: str = "auto", **kwargs) -> None:
+        """`attention`: the platform's tpu_attention option (auto | pallas | torch)."""
         super().__init__(*args, **kwargs)
-        self.use_kernel = use_pallas_kernel()
+        self.use_kernel = use_pallas_kernel(attention)
         if self.use_kernel:
             self.name = "tpu-ragged-paged"
         lanes = KERNEL_LANES if self.use_kernel else 1

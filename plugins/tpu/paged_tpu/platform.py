@@ -11,11 +11,12 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from paged.platform import Platform
+from paged.platform import Platform, PlatformOption
 
 # torch_xla 2.9 `_internal/tpu.py`: Google's PCI vendor id and the ids of its TPU chips
 # (v2/v3, v4, v5e, v6e, v5p and test parts, 7x); gVNIC shares the vendor id, so both count.
@@ -68,6 +69,16 @@ class TpuPlatform(Platform):
     priority = 90
     dist_backend = "xla"  # torch.distributed backend registered by torch_xla (see dist.py)
     supported_dtypes = (torch.bfloat16, torch.float32)
+    options = (
+        PlatformOption(
+            "tpu_attention",
+            "attention: auto (the Pallas ragged paged kernel on TPU chips, else torch), "
+            "pallas, torch (static-shape torch ops)",
+            "auto",
+            choices=("auto", "pallas", "torch"),
+            env="PAGED_TPU_ATTENTION",
+        ),
+    )
 
     @classmethod
     def probe(cls) -> str | None:
@@ -126,7 +137,7 @@ class TpuPlatform(Platform):
     def attention_backend(self):
         from paged_tpu.attention import TpuAttentionBackend
 
-        return TpuAttentionBackend
+        return partial(TpuAttentionBackend, attention=self.option("tpu_attention"))
 
     def step_runner(self):
         from paged_tpu.step_runner import XlaStepRunner

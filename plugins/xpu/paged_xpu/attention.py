@@ -6,21 +6,22 @@ so the choice never changes the KV cache. One varlen call serves every step, dec
 included, as vLLM's XPU backend does: IPEX's `single_query_cached_kv_attention` wants the
 head-major layout `[blocks, kv_heads, block_size, head_dim]` and is not used.
 
-Order: `PAGED_XPU_ATTENTION=ipex|triton` forces one; otherwise IPEX when an XPU build of it
-imports, has both ops, the dtype is float16/bfloat16 and the GPU has XMX units; otherwise
-the portable Triton kernels.
+Order: the platform's xpu_attention option (`--xpu-attention ipex|triton`,
+`LLM(xpu_attention=...)`, fallback `PAGED_XPU_ATTENTION`) forces one; otherwise (`auto`) IPEX
+when an XPU build of it imports, has both ops, the dtype is float16/bfloat16 and the GPU has
+XMX units; otherwise the portable Triton kernels.
 """
 
 from __future__ import annotations
 
-import os
 from importlib.util import find_spec
 
 import torch
 
 from paged.model.attention import AttentionBackend, AttentionMetadata
 
-ATTENTION_ENV = "PAGED_XPU_ATTENTION"
+ATTENTION_ENV = "PAGED_XPU_ATTENTION"  # the xpu_attention option's fallback
+CHOICES = ("auto", "ipex", "triton")
 IPEX_OPS = ("reshape_and_cache_flash", "flash_attn_varlen_func")
 
 
@@ -52,16 +53,18 @@ def ipex_problem(dtype: torch.dtype) -> str | None:
     return None
 
 
-def choose_attention(dtype: torch.dtype) -> tuple[type[AttentionBackend], str]:
-    """(backend class, why): the IPEX -> Triton fallback order described above."""
-    forced = os.environ.get(ATTENTION_ENV, "").strip().lower() or None
-    if forced not in (None, "ipex", "triton"):
-        raise ValueError(f"{ATTENTION_ENV}={forced!r}: use ipex or triton")
-    problem = f"{ATTENTION_ENV}=triton" if forced == "triton" else ipex_problem(dtype)
+def choose_attention(
+    dtype: torch.dtype, choice: str = "auto"
+) -> tuple[type[AttentionBackend], str]:
+    """(backend class, why): the IPEX -> Triton fallback order described above; `choice`
+    is the xpu_attention option (auto | ipex | triton)."""
+    if choice not in CHOICES:
+        raise ValueError(f"xpu_attention={choice!r}: use auto, ipex or triton")
+    problem = "xpu_attention=triton" if choice == "triton" else ipex_problem(dtype)
     if problem is None:
         return IpexAttentionBackend, "ipex"
-    if forced == "ipex":
-        raise ValueError(f"{ATTENTION_ENV}=ipex, but {problem}")
+    if choice == "ipex":
+        raise ValueError(f"xpu_attention=ipex, but {problem}")
     if find_spec("triton") is None:
         raise ValueError(
             f"no attention kernels for XPU: {problem}, and triton is not installed "

@@ -15,6 +15,7 @@ from importlib.util import find_spec
 import torch
 
 from paged.accelerator import AcceleratorPlatform
+from paged.platform import PlatformOption
 
 log = logging.getLogger("paged")
 MASK_VARS = ("ZE_AFFINITY_MASK", "ONEAPI_DEVICE_SELECTOR")
@@ -48,6 +49,16 @@ class XpuPlatform(AcceleratorPlatform):
     device_type = "xpu"
     priority = 90  # below cuda/rocm (a torch build has one GPU backend), above cpu
     dist_backend = "xccl"
+    options = (
+        PlatformOption(
+            "xpu_attention",
+            "attention kernels: auto (IPEX where it serves the dtype, else Triton), ipex "
+            "(fail when it cannot), triton",
+            "auto",
+            choices=("auto", "ipex", "triton"),
+            env="PAGED_XPU_ATTENTION",
+        ),
+    )
 
     def __init__(self) -> None:
         self.dist_backend = choose_dist_backend()
@@ -70,14 +81,15 @@ class XpuPlatform(AcceleratorPlatform):
         super().check_config(config)
         from paged_xpu.attention import choose_attention
 
-        self.attention = choose_attention(config.torch_dtype)  # raises when no path serves it
+        choice = self.option("xpu_attention")
+        self.attention = choose_attention(config.torch_dtype, choice)  # raises: no path
         log.info("XPU attention: %s", self.attention[1])
 
     def attention_backend(self):
         if self.attention is None:  # check_config not called: decide for the default dtype
             from paged_xpu.attention import choose_attention
 
-            self.attention = choose_attention(self.default_dtype())
+            self.attention = choose_attention(self.default_dtype(), self.option("xpu_attention"))
         return self.attention[0]
 
     def graph_runner(self):  # eager where this torch has no torch.xpu.XPUGraph
