@@ -1,8 +1,8 @@
 """How a model is split over tensor-parallel ranks, and the vocabulary-parallel embedding.
 
 Attention is split by KV-head groups: rank r holds a contiguous range of KV heads and the
-query heads that read them (as even as the counts allow, so 3 KV heads over 2 ranks give 2
-and 1); with fewer KV heads than ranks each KV head is replicated and its query heads are
+query heads that read them (as even as the counts allow, so 3 KV heads over 2 ranks give 1
+and 2); with fewer KV heads than ranks each KV head is replicated and its query heads are
 split. MLP columns and vocabulary rows are split in contiguous ranges. The linears stay plain
 `nn.Linear` modules holding their shard, so platforms may still repack or replace them; the
 all-reduce of a row-parallel output happens in the layer that owns it.

@@ -102,7 +102,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         shape = self.backend.kv_cache_shape(1)
         per_layer = torch.Size(shape).numel() * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * self.hf_config.num_hidden_layers
+        return per_layer * len(self.model.layers)  # this pipeline stage's layers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend.kv_cache_shape(num_blocks)
