@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from paged import __version__
-from paged.cli import bench_offline, bench_serve, chat, complete, env, platforms, run_batch
+from paged.cli import bench_offline, bench_serve, chat, complete, env, fleet, platforms, run_batch
 
 SERVE_HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -54,6 +54,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     bench.set_defaults(func=lambda _: bench.print_help() or 2)
     platforms.register(sub)
     env.register(sub)
+    fleet.register(sub)
     return parser
 
 

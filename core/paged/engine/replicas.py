@@ -4,7 +4,9 @@
 silent_for), load (outstanding work, tracked from what was sent and what came back), stats
 (the engine's metrics) and info (platform, max_model_len, ...). `ReplicaSet` has the surface
 the server uses of an AsyncEngine (generate, abort, ready, dead, tokenizer, info, stats, ...)
-and routes each request to the replica with the least outstanding work.
+and routes each request with a policy of paged.engine.router (least outstanding work, round
+robin, or the prefix-aware default of `paged serve`). Replicas of a fleet file
+(paged.engine.fleet) may run on different platforms; data-parallel replicas may not.
 
 Each replica here is an engine core process on this host with its share of it (`Placement`:
 CPU cores and threads, devices), applied first thing in that process. Replicas on other
@@ -22,15 +24,19 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from paged.config import EngineConfig
 from paged.engine.async_engine import AsyncEngine, SeqUpdate
+from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
+EWMA = 0.3  # weight of a new speed sample
+SPEED_WINDOW_S = 0.25  # shortest interval a throughput sample covers
 
 # Variables that choose the devices a process sees, by platform family: each replica sees a
 # disjoint slice of what the server sees (CUDA_VISIBLE_DEVICES also filters HIP devices).
@@ -112,6 +118,26 @@ class Replica:
         self.index = index
         self.engine = engine
         self.placement = placement
+        # Learnt from the outputs it returns (tokens/s EWMAs; None until measured): its
+        # throughput while busy (prompt and generated tokens), and prompt tokens per second of
+        # time to first token. The router divides outstanding work by the first and weighs
+        # cached prefixes by the second.
+        self.speed: float | None = None
+        self.prefill_speed: float | None = None
+        self._done = 0  # tokens done since _mark
+        self._mark: float | None = None  # start of the current busy interval
+        self._prefix: PrefixIndex | None = None
+
+    @property
+    def prefix(self) -> PrefixIndex:
+        """The chained block hashes of prompts sent to it, at most its KV blocks' worth."""
+        if self._prefix is None:
+            i = self.info or {}
+            cap = i.get("num_blocks", 0) * (i.get("block_size") or BLOCK) // BLOCK
+            if not i:
+                return PrefixIndex(0)  # not ready: nothing tracked yet
+            self._prefix = PrefixIndex(cap)
+        return self._prefix
 
     # ---- health ----------------------------------------------------------------------
     @property
@@ -162,27 +188,66 @@ class Replica:
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[SeqUpdate]:
-        return self.engine.generate(request_id, prompt_ids, params)
+        """The engine's generate (started now: its load rises at once), measured."""
+        if self._mark is None or self.load == 0:
+            self._mark, self._done = time.monotonic(), 0  # a busy interval starts
+        return self._measured(self.engine.generate(request_id, prompt_ids, params), prompt_ids)
+
+    async def _measured(
+        self, updates: AsyncIterator[SeqUpdate], prompt_ids: list[int]
+    ) -> AsyncIterator[SeqUpdate]:
+        t0, first = time.monotonic(), True
+        try:
+            async for u in updates:
+                k = len(u.output.new_token_ids)
+                now = time.monotonic()
+                if first and k:
+                    first = False
+                    k += len(prompt_ids)
+                    rate = len(prompt_ids) / max(now - t0, 1e-3)
+                    self.prefill_speed = _ewma(self.prefill_speed, rate)
+                self._observe(k, now)
+                yield u
+        finally:  # closed early (the client went away): the engine aborts it now
+            await updates.aclose()
+
+    def _observe(self, tokens: int, now: float) -> None:
+        """Tokens done; every SPEED_WINDOW_S of busy time, a throughput sample."""
+        self._done += tokens
+        mark = self._mark if self._mark is not None else now
+        if now - mark >= SPEED_WINDOW_S and self._done:
+            self.speed = _ewma(self.speed, self._done / (now - mark))
+            self._mark, self._done = now, 0
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
 
+def _ewma(old: float | None, sample: float) -> float:
+    return sample if old is None else (1 - EWMA) * old + EWMA * sample
+
+
 class ReplicaSet:
     """Several replicas behind one server, with AsyncEngine's server-facing surface."""
 
-    def __init__(self, replicas: list[Replica], same_platform: bool = True) -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        same_platform: bool = True,
+        router: Router | str = "least-load",
+    ) -> None:
         """same_platform: refuse replicas that came up on different platforms (a data-parallel
         set is one kind of hardware: a replica that found no device of its own runs on the
-        CPU fallback otherwise)."""
+        CPU fallback otherwise); False for a fleet file, whose groups name their platforms.
+        router: a Router or a policy name (paged.engine.router.POLICIES)."""
         assert replicas, "a replica set needs replicas"
         self.replicas = replicas
         self.same_platform = same_platform
+        self.router = router if isinstance(router, Router) else Router(router)
         self.dead: str | None = None
         self.on_dead: Callable[[], None] | None = None
         self._observer: Any = None
         self._info: dict[str, Any] | None = None
-        self._next = 0  # where ties start: idle replicas take turns
         for r in replicas:
             r.engine.on_dead = lambda r=r: self._replica_died(r)
 
@@ -212,13 +277,16 @@ class ReplicaSet:
     @property
     def info(self) -> dict[str, Any] | None:
         """The first replica's info with what all of them hold together: the smallest
-        max_model_len (a request must fit wherever it goes), the sum of KV blocks."""
+        max_model_len (a request must fit wherever it goes; in a fleet, the largest: the
+        router sends each request where it fits), the sum of KV blocks."""
         if self._info is None:
             infos = [r.info for r in self.replicas]
             if any(i is None for i in infos):
                 return None
             info = dict(infos[0])
-            info["max_model_len"] = min(i["max_model_len"] for i in infos)
+            lens = [i["max_model_len"] for i in infos]
+            info["max_model_len"] = min(lens) if self.same_platform else max(lens)
+            info["platforms"] = [i.get("platform") for i in infos]
             info["num_blocks"] = sum(i["num_blocks"] for i in infos)
             info["pids"] = [i["pid"] for i in infos]
             info["data_parallel_size"] = len(infos)
@@ -284,18 +352,19 @@ class ReplicaSet:
 
     # ---- requests --------------------------------------------------------------------
     def route(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
-        """The replica with the least outstanding work; ties (idle replicas) take turns."""
-        rs, n = self.replicas, len(self.replicas)
-        start = self._next
-        self._next = (start + 1) % n
-        return min((rs[(start + k) % n] for k in range(n)), key=lambda r: r.load)
+        """The router's pick among the replicas that can hold the request (router.py)."""
+        max_tokens = getattr(params, "max_tokens", None)
+        return self.router.pick(self.replicas, prompt_ids, max_tokens)
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[SeqUpdate]:
         """AsyncEngine.generate on the routed replica. Its load rises as soon as the iterator
-        starts (the request is sent), before any other request is routed."""
-        return self.route(prompt_ids, params).generate(request_id, prompt_ids, params)
+        starts (the request is sent), before any other request is routed. The replica
+        remembers the prompt's blocks (its prefix cache holds them next)."""
+        replica = self.route(prompt_ids, params)
+        replica.prefix.add(block_hashes(prompt_ids))
+        return replica.generate(request_id, prompt_ids, params)
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
@@ -307,8 +376,10 @@ def make_engine(
     log_level: str = "info",
     tokenizer_loader: Callable[[], Any] | None = None,
     faults: Any = None,
+    router: str = "least-load",
 ) -> AsyncEngine | ReplicaSet:
-    """The server's engine: one AsyncEngine, or config.data_parallel_size replicas."""
+    """The server's engine: one AsyncEngine, or config.data_parallel_size replicas routed by
+    `router` (a policy of paged.engine.router)."""
     n = config.data_parallel_size
     if n == 1:
         return AsyncEngine(config, log_level, tokenizer_loader, faults)
@@ -321,4 +392,38 @@ def make_engine(
         engine = AsyncEngine(one, log_level, load, faults, placement=p, name=name)
         replicas.append(Replica(p.index, engine, p))
     log.info("data parallel: %d replicas (%s)", n, ". ".join(p.describe() for p in shares))
-    return ReplicaSet(replicas)
+    return ReplicaSet(replicas, router=router)
+
+
+def fleet_view(engine: AsyncEngine | ReplicaSet) -> dict[str, Any]:
+    """What GET /fleet answers: each replica's platform, pid, health, load, KV usage, measured
+    speeds and prefix blocks tracked, and the router's policy (a single engine: one row)."""
+    if isinstance(engine, ReplicaSet):
+        replicas, policy = engine.replicas, engine.router.policy
+    else:
+        replicas, policy = [Replica(0, engine)], None
+    rows = []
+    for r in replicas:
+        i, s = r.info or {}, r.stats
+        health = "dead" if r.dead is not None else ("ready" if r.ready else "starting")
+        rows.append(
+            {
+                "index": r.index,
+                "platform": i.get("platform"),
+                "pid": i.get("pid"),
+                "health": health,
+                "dead": r.dead,
+                "silent_for": round(r.silent_for(), 3),
+                "outstanding_tokens": r.load,
+                "kv_cache_usage_perc": s.get("kv_cache_usage_perc", 0.0),
+                "num_blocks": i.get("num_blocks"),
+                "max_model_len": i.get("max_model_len"),
+                "running": s.get("num_requests_running", 0),
+                "waiting": s.get("num_requests_waiting", 0),
+                "prompt_tokens": s.get("prompt_tokens", 0),
+                "speed_tokens_per_s": r.speed,
+                "prefill_tokens_per_s": r.prefill_speed,
+                "prefix_blocks": len(r.prefix) if r._prefix is not None else 0,
+            }
+        )
+    return {"router": policy, "replicas": rows}

@@ -26,6 +26,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Every EngineConfig flag (from the config class itself) plus the server's own."""
     EngineConfig.add_cli_args(parser)
     g = parser.add_argument_group("server")
+    g.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        default=None,
+        help="serve replica groups on several platforms, named in this file (docs/fleet.md); "
+        "the flags here apply to every replica unless the file says otherwise",
+    )
+    g.add_argument(
+        "--router",
+        choices=["prefix", "least-load", "round-robin"],
+        default="prefix",
+        help="how requests are spread over replicas (--data-parallel-size, --fleet): prefix "
+        "(shortest expected wait, minus the prefill a replica's cached prefix saves), "
+        "least-load (least outstanding tokens) or round-robin (default: %(default)s)",
+    )
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     g.add_argument(
@@ -92,9 +107,22 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     except ValueError as e:
         log.error("invalid configuration: %s", e)
         return 2
+    fleet = None
+    if getattr(args, "fleet", None):
+        from paged.engine.fleet import FleetError, group_configs, load_fleet
+
+        try:
+            fleet = load_fleet(args.fleet)
+            if config.data_parallel_size != 1:
+                raise FleetError("--fleet and --data-parallel-size: the fleet file sets counts")
+            group_configs(fleet, config, args.fleet)  # the engine's own checks, now
+        except FleetError as e:
+            log.error("invalid fleet file: %s", e)
+            return 2
+        config.model = fleet.model or config.model
     api_key = args.api_key or os.environ.get("PAGED_API_KEY") or None
     try:
-        return asyncio.run(_serve(config, args, api_key, faults))
+        return asyncio.run(_serve(config, args, api_key, faults, fleet))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
@@ -141,7 +169,11 @@ def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
 
 
 async def _serve(
-    config: EngineConfig, args: argparse.Namespace, api_key: str | None, faults: Faults | None
+    config: EngineConfig,
+    args: argparse.Namespace,
+    api_key: str | None,
+    faults: Faults | None,
+    fleet: Any = None,
 ) -> int:
     import uvicorn
 
@@ -160,7 +192,13 @@ async def _serve(
         log.error("cannot start: %s", e)
         return 1
     name = config.served_model_name or name
-    engine = make_engine(config, args.log_level, load_tok, faults)  # data_parallel_size of them
+    router = getattr(args, "router", "prefix")
+    if fleet is not None:  # replica groups by platform (paged.engine.fleet)
+        from paged.engine.fleet import build_fleet
+
+        engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router, args.fleet)
+    else:  # data_parallel_size of them
+        engine = make_engine(config, args.log_level, load_tok, faults, router)
     metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None))
     engine.observer = metrics
     serving = Serving(engine, name, chat_template, args.max_prompt_chars)
@@ -206,6 +244,8 @@ async def _serve(
         if await engine.wait_ready():
             i = engine.info or {}
             dp = i.get("data_parallel_size", 1)
+            if fleet is not None:
+                i = dict(i, platform="+".join(sorted(set(i.get("platforms") or []))))
             log.info(
                 "ready in %.1f s: %s on %s%s (%s), max_model_len %d, KV cache %d blocks "
                 "(%d tokens); serving at http://%s:%d/v1",

@@ -195,6 +195,12 @@ def build_app(state: ServerState) -> Any:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/fleet")
+    async def fleet() -> dict[str, Any]:
+        from paged.engine.replicas import fleet_view
+
+        return fleet_view(sv.engine)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         sv.check_ready()

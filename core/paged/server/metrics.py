@@ -78,11 +78,19 @@ class _EngineCollector(Collector):
             "still to generate (the router sends each request to the least loaded replica)",
             labels=labels,
         )
+        speed = GaugeMetricFamily(
+            "paged:replica_speed_tokens_per_second",
+            "the router's measure of the replica's throughput while busy (an EWMA of prompt and "
+            "generated tokens per second; 0 until measured)",
+            labels=labels,
+        )
         for lab, r in rows:
             ready.add_metric(lab, float(r.ready))
             load.add_metric(lab, float(r.load))
+            speed.add_metric(lab, float(getattr(r, "speed", None) or 0.0))
         yield ready
         yield load
+        yield speed
 
 
 class ServerMetrics:

@@ -1,0 +1,254 @@
+"""Fleet files (`paged serve --fleet FLEET.yaml`): one model, groups of replicas by platform.
+
+    model: path/or/default          # optional: else the command line's model
+    args: {dtype: float32}          # optional: engine arguments of every group
+    replicas:
+      - {platform: cpu, count: 2, args: {max_num_seqs: 32}}
+      - {platform: example, count: 1}
+
+`args` take any `paged serve` engine flag by its EngineConfig name (max_num_seqs, or
+max-num-seqs) and the platforms' options (cpu_native, ...); a group's args override the
+file's, which override the command line's. Errors name the file, line and field
+(FleetError). `build_fleet` starts nothing: it returns the ReplicaSet of engine-core
+processes on this host, each with its platform forced and its share of the host's cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from paged.config import EngineConfig, platform_options
+
+log = logging.getLogger("paged")
+# EngineConfig fields a fleet file may not set in args: the file says them itself.
+NOT_ARGS = {"model": "model", "platform": "platform", "data_parallel_size": "count"}
+
+
+class FleetError(ValueError):
+    """An invalid fleet file: the message names the file, line and field."""
+
+
+class Group(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    platform: str = Field(min_length=1)
+    count: int = Field(default=1, ge=1)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class Fleet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    replicas: list[Group] = Field(min_length=1)
+
+    @property
+    def size(self) -> int:
+        return sum(g.count for g in self.replicas)
+
+
+# ---- parsing -----------------------------------------------------------------------------
+def _lines(text: str) -> Any:
+    """The YAML node tree (for line numbers), or None when it cannot be composed."""
+    import yaml
+
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+
+
+def _line_of(root: Any, path: tuple[Any, ...]) -> int | None:
+    """1-based line of the deepest node of `path` in the YAML tree (a key's own line for
+    mappings: where the field is written)."""
+    import yaml
+
+    node, line = root, (root.start_mark.line + 1 if root is not None else None)
+    for part in path:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == str(part):
+                    node, line = v, k.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if part >= len(node.value):
+                return line
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _field(path: tuple[Any, ...]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(file)"
+
+
+def _err(name: str, root: Any, path: tuple[Any, ...], msg: str) -> FleetError:
+    line = _line_of(root, path)
+    where = f"{name}:{line}" if line else name
+    return FleetError(f"{where}: {_field(path)}: {msg}")
+
+
+def _engine_fields() -> dict[str, dataclasses.Field]:
+    return {
+        f.name: f
+        for f in dataclasses.fields(EngineConfig)
+        if f.metadata.get("cli", True) and f.name not in NOT_ARGS
+    }
+
+
+def _check_args(args: dict[str, Any], name: str, root: Any, at: tuple[Any, ...]) -> dict[str, Any]:
+    """Engine args by EngineConfig name (dashes allowed), coerced by the flag's type; unknown
+    ones are an error naming them and listing what is known."""
+    fields, options = _engine_fields(), platform_options()
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        k = str(key).replace("-", "_")
+        where = (*at, key)
+        if k in NOT_ARGS:
+            raise _err(name, root, where, f"set {NOT_ARGS[k]!r} in the fleet file, not in args")
+        if k in options:
+            out[k] = value
+            continue
+        if k not in fields:
+            known = ", ".join(sorted(fields) + sorted(options))
+            raise _err(name, root, where, f"unknown engine argument {key!r} (known: {known})")
+        f = fields[k]
+        conv = f.metadata.get("type")
+        if f.type in ("bool", bool, "bool | None"):
+            if not isinstance(value, bool) and value is not None:
+                raise _err(name, root, where, f"expected true or false, got {value!r}")
+        elif conv is not None and value is not None:
+            try:
+                value = conv(value) if not isinstance(value, bool) else _bad(value)
+            except (TypeError, ValueError) as e:
+                raise _err(name, root, where, f"invalid value {value!r}: {e}") from None
+        elif value is not None and not isinstance(value, str):
+            raise _err(name, root, where, f"expected a string, got {value!r}")
+        out[k] = value
+    return out
+
+
+def _bad(value: Any) -> Any:
+    raise ValueError("expected a number")
+
+
+def parse_fleet(text: str, name: str = "<fleet>") -> Fleet:
+    """Validate a fleet file's text (YAML, or JSON: a subset of it). FleetError on any error."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{name}:{mark.line + 1}" if mark is not None else name
+        raise FleetError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    root = _lines(text)
+    if not isinstance(data, dict):
+        raise _err(name, root, (), "expected a mapping with 'model' and 'replicas'")
+    try:
+        fleet = Fleet.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = tuple(first["loc"])
+        msg = first["msg"]
+        if first["type"] == "extra_forbidden":
+            msg = f"unknown field {loc[-1]!r}"
+        raise _err(name, root, loc, msg) from None
+    fleet.args = _check_args(fleet.args, name, root, ("args",))
+    for i, g in enumerate(fleet.replicas):
+        g.args = _check_args(g.args, name, root, ("replicas", i, "args"))
+    return fleet
+
+
+def load_fleet(path: str | Path) -> Fleet:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise FleetError(f"cannot read the fleet file {p}: {e.strerror or e}") from None
+    return parse_fleet(text, str(p))
+
+
+# ---- building ----------------------------------------------------------------------------
+def group_configs(fleet: Fleet, base: EngineConfig, name: str = "<fleet>") -> list[EngineConfig]:
+    """One EngineConfig per replica: the command line's, then the file's args, then the
+    group's, with the model and the group's platform; data_parallel_size 1."""
+    opts = platform_options()
+    out = []
+    for i, g in enumerate(fleet.replicas):
+        merged = {**fleet.args, **g.args}
+        kw = {k: v for k, v in merged.items() if k not in opts}
+        po = {**base.platform_options, **{k: v for k, v in merged.items() if k in opts}}
+        try:
+            cfg = dataclasses.replace(
+                base,
+                **kw,
+                model=fleet.model or base.model,
+                platform=g.platform,
+                data_parallel_size=1,
+                platform_options=po,
+            )
+        except ValueError as e:  # EngineConfig's own checks
+            raise FleetError(f"{name}: replicas[{i}] ({g.platform}): {e}") from None
+        out.extend([cfg] * g.count)
+    return out
+
+
+def _uses_devices(platform: str) -> bool:
+    """Whether replicas of this platform take devices of their own (cpu-type ones do not)."""
+    from paged.plugins import all_platforms
+
+    for cls in all_platforms():
+        if cls.name == platform:
+            return getattr(cls, "device_type", "cpu") != "cpu"
+    return True
+
+
+def build_fleet(
+    fleet: Fleet,
+    base: EngineConfig,
+    log_level: str = "info",
+    tokenizer_loader: Any = None,
+    faults: Any = None,
+    router: str = "prefix",
+    name: str = "<fleet>",
+) -> Any:
+    """The fleet's ReplicaSet (not started): replicas in file order, each on this host's
+    next share of the cores (replicas.placements over all of them) and, for device platforms,
+    its next world_size devices."""
+    from paged.engine.async_engine import AsyncEngine
+    from paged.engine.replicas import DEVICE_VARS, Replica, ReplicaSet, _load_once, placements
+
+    configs = group_configs(fleet, base, name)
+    shares = placements(base, len(configs))
+    used = 0  # devices handed out so far, in order of the visible ones
+    load = _load_once(tokenizer_loader)
+    replicas = []
+    for p, cfg in zip(shares, configs):
+        for var in DEVICE_VARS:
+            p.env.pop(var, None)
+        if _uses_devices(cfg.platform or ""):
+            w = cfg.world_size
+            for var in DEVICE_VARS:
+                seen = os.environ.get(var)
+                ids = seen.split(",") if seen else [str(i) for i in range(used + w)]
+                p.env[var] = ",".join(ids[used : used + w])
+            used += w
+        name_p = f"paged-core-{p.index}"
+        engine = AsyncEngine(cfg, log_level, load, faults, placement=p, name=name_p)
+        replicas.append(Replica(p.index, engine, p))
+    desc = ". ".join(f"{p.describe()} [{c.platform}]" for p, c in zip(shares, configs))
+    log.info("fleet: %d replicas, router %s (%s)", len(configs), router, desc)
+    return ReplicaSet(replicas, same_platform=False, router=router)

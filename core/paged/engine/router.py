@@ -1,0 +1,102 @@
+"""Routing policies for a ReplicaSet (`--router prefix|least-load|round-robin`).
+
+A policy picks one replica for a request among those that can hold it (max_model_len at least
+the prompt plus max_tokens). What it reads of a replica (replicas.Replica): `load` (outstanding
+tokens), `speed` and `prefill_speed` (tokens/s EWMAs learnt from the outputs it returned) and
+`prefix` (a PrefixIndex: the chained hashes of the full blocks of the prompts it was sent).
+
+- least-load: the least outstanding work; ties take turns.
+- round-robin: turns, whatever the load.
+- prefix (default): the shortest expected wait, load / speed, minus the prefill time its
+  cached prefix saves, hit blocks x block size / prefill speed; ties take turns.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+POLICIES = ("prefix", "least-load", "round-robin")
+DEFAULT_SPEED = 1000.0  # tokens/s assumed until a replica has been measured
+BLOCK = 16  # tokens per hashed prefix block when a replica does not say
+
+
+def block_hashes(prompt_ids: Sequence[int], block_size: int = BLOCK) -> list[int]:
+    """Chained hashes of the full blocks of a prompt: block k's hash covers blocks 0..k."""
+    out, h = [], 0
+    for i in range(0, len(prompt_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(prompt_ids[i : i + block_size])))
+        out.append(h)
+    return out
+
+
+class PrefixIndex:
+    """The block hashes a replica was sent, least recently used first, at most `capacity`
+    (its KV cache in blocks: what it can have cached at best)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(capacity, 0)
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def hits(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of the prompt this replica was sent before."""
+        n = 0
+        for h in hashes:
+            if h not in self._lru:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._lru[h] = None
+            self._lru.move_to_end(h)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+
+
+def fits(replica: Any, prompt_len: int, max_tokens: int | None) -> bool:
+    """The replica's context holds the prompt and max_tokens (at least one token)."""
+    limit = (replica.info or {}).get("max_model_len")
+    return limit is None or prompt_len + (max_tokens or 1) <= limit
+
+
+class Router:
+    """One policy; `pick` is called once per request with the candidates in index order."""
+
+    def __init__(self, policy: str = "least-load") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown router {policy!r}: {' | '.join(POLICIES)}")
+        self.policy = policy
+        self._next = 0  # where ties (and round-robin) start
+
+    def _turn(self, n: int) -> int:
+        start = self._next % n
+        self._next = (start + 1) % n
+        return start
+
+    def score(self, replica: Any, hashes: Sequence[int]) -> float:
+        """prefix: expected seconds until the request is served on this replica."""
+        wait = replica.load / (replica.speed or DEFAULT_SPEED)
+        hit = replica.prefix.hits(hashes) if hashes else 0
+        return wait - hit * BLOCK / (replica.prefill_speed or DEFAULT_SPEED)
+
+    def pick(self, replicas: Sequence[Any], prompt_ids: Sequence[int], max_tokens: int | None):
+        """The replica for this request. Those too small for it are never picked, unless none
+        can hold it (then the largest, which refuses it with the engine's own message)."""
+        n = len(replicas)
+        ok = [r for r in replicas if fits(r, len(prompt_ids), max_tokens)]
+        if not ok:
+            return max(replicas, key=lambda r: (r.info or {}).get("max_model_len") or 0)
+        start = self._turn(n)
+        ring = sorted(ok, key=lambda r: (replicas.index(r) - start) % n)  # turns on ties
+        if self.policy == "round-robin":
+            return ring[0]
+        if self.policy == "least-load":
+            return min(ring, key=lambda r: r.load)
+        hashes = block_hashes(prompt_ids)
+        return min(ring, key=lambda r: self.score(r, hashes))
