@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from dataclasses import replace
@@ -11,8 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import fleet_sim as fs  # noqa: E402
+# Loaded by path: bench/ on sys.path would shadow packages (bench/kernels.py vs HF's kernels).
+_spec = importlib.util.spec_from_file_location(
+    "fleet_sim", Path(__file__).resolve().parents[1] / "bench" / "fleet_sim.py"
+)
+fs = importlib.util.module_from_spec(_spec)
+sys.modules["fleet_sim"] = fs  # dataclasses look their module up by name
+_spec.loader.exec_module(fs)
 
 QUICK = {"H200": 4, "MI300X": 4, "CPU": 16}
 
