@@ -44,8 +44,19 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, git_rev, machine  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def git_rev() -> str:
+    from common import git_rev  # bench/common.py: on sys.path when this runs as a script
+
+    return git_rev()
+
+
+def machine() -> str:
+    from common import machine
+
+    return machine()
 
 BLOCK = 16
 STEP_BUDGET = 2048
