@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -11,12 +12,15 @@ from paged.distributed import WorkerFailure, destroy_distributed
 from paged.worker.worker import Worker
 
 log = logging.getLogger("paged")
+GRACE_S = 10.0  # after a worker died: time for the driver to notice before the process exits
 __all__ = ["Executor", "WorkerFailure"]
 
 
 class Executor:
     """Rank 0 (the driver) runs in this process; subclasses start the other ranks first
     (`start_workers`) and watch them (`failure`)."""
+
+    exit_on_failure = False  # set by executors that start workers (see create_executor)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -41,6 +45,18 @@ class Executor:
 
     def stop_workers(self) -> None:
         pass
+
+    def worker_died(self, why: str) -> None:
+        """Called by a watcher thread: fail the replica and stop the other workers. With
+        `exit_on_failure` (an engine-core process), exit if the driver has not raised on its
+        own within GRACE_S (it may be stuck in a collective with the dead rank)."""
+        self.failure = why
+        log.error("%s: stopping the replica", why)
+        self.stop_workers()
+        if self.exit_on_failure:
+            time.sleep(GRACE_S)
+            log.error("the driver did not stop after the worker failure: exiting")
+            os._exit(1)
 
     def check(self) -> None:
         """Raise WorkerFailure once a worker is gone."""

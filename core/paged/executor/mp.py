@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import signal
 import socket
 import threading
-import time
 from multiprocessing.connection import wait
 
 from paged.config import EngineConfig
 from paged.executor.base import Executor
 
 log = logging.getLogger("paged")
-GRACE_S = 10.0  # after a worker died: time for the driver to notice before the process exits
 
 
 def free_port() -> int:
@@ -73,13 +70,7 @@ class MultiprocExecutor(Executor):
                 continue
             p = sentinels[ready[0]]
             p.join(1)
-            self.failure = f"worker {p.name} exited with code {p.exitcode}"
-            log.error("%s: stopping the replica", self.failure)
-            self.stop_workers()
-            if self.exit_on_failure:
-                time.sleep(GRACE_S)  # the driver may raise on its own first
-                log.error("the driver did not stop after the worker failure: exiting")
-                os._exit(1)
+            self.worker_died(f"worker {p.name} exited with code {p.exitcode}")
             return
 
     def stop_workers(self) -> None:

@@ -32,7 +32,6 @@ from typing import Any
 
 from paged.config import EngineConfig
 from paged.executor.base import Executor
-from paged.executor.mp import GRACE_S
 
 log = logging.getLogger("paged")
 
@@ -220,13 +219,7 @@ class RayExecutor(Executor):
                 why = f"died: {type(e).__name__}: {lines[-1].strip() if lines else ''}"
             if self._stopping:
                 return
-            self.failure = f"worker rank {rank} (Ray actor) {why}"
-            log.error("%s: stopping the replica", self.failure)
-            self.stop_workers()
-            if self.exit_on_failure:
-                time.sleep(GRACE_S)  # the driver may raise on its own first
-                log.error("the driver did not stop after the worker failure: exiting")
-                os._exit(1)
+            self.worker_died(f"worker rank {rank} (Ray actor) {why}")
             return
 
     # ---- stop -------------------------------------------------------------------------
