@@ -37,8 +37,10 @@ CASES = [
     (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     (CHAT, {"messages": MSGS, "stream_options": 3}, 400, "stream_options"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
-    # unknown fields where the API forbids them (our own routes; OpenAI's ignore them)
+    # unknown fields: refused on every route, never silently ignored
     ("/tokenize", {"prompt": "hi", "promt": "x"}, 400, "promt"),
+    (CMPL, {"prompt": "hi", "guided_json": {}}, 400, "guided_json"),
+    (CHAT, {"messages": MSGS, "tools": []}, 400, "tools"),
     ("/detokenize", {"tokens": [1], "text": "x"}, 400, "text"),
     # negative, NaN, infinite numbers
     (CMPL, {"prompt": "hi", "temperature": -1}, 400, "temperature"),

@@ -161,8 +161,10 @@ def test_chat_template_sandbox(tiny_model, tmp_path, template):
 def test_request_cannot_bring_its_own_template(tiny_http):
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     plain = tiny_http.post("/v1/chat/completions", json=base).json()["usage"]["prompt_tokens"]
-    evil = base | {"chat_template": "{{ 'word ' * 50 }}", "chat_template_kwargs": {"x": 1}}
-    r = tiny_http.post("/v1/chat/completions", json=evil)
+    for field in ({"chat_template": "{{ 'word ' * 50 }}"}, {"chat_template_kwargs": {"x": 1}}):
+        r = tiny_http.post("/v1/chat/completions", json=base | field)
+        assert check_error(r, 400)["param"] == next(iter(field))  # refused, never applied
+    r = tiny_http.post("/v1/chat/completions", json=base)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == plain
 
 

@@ -102,7 +102,9 @@ def test_validation_errors_are_400_with_param(app_client):
     assert _error(c.post("/v1/chat/completions", json=bad), 400)["param"] == "messages[1].role"
     r = c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
     assert _error(r, 400)["param"] == "body"
-    assert c.post("/v1/completions", json={"prompt": "x", "whatever": 1}).status_code == 200
+    r = c.post("/v1/completions", json={"prompt": "x", "whatever": 1})  # never silently ignored
+    assert _error(r, 400)["param"] == "whatever"
+    assert c.post("/v1/completions", json={"prompt": "x", "user": "u"}).status_code == 200
 
 
 def test_guard_key_and_size(app_client):

@@ -21,8 +21,9 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses 
 
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI clients send fields a server may not know.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Every field is honoured or refused: an unknown one is a 400 naming it, never ignored.
+    # (`user` is the one field accepted with no effect, declared below.)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def check_unicode(value: Any, path: str = "") -> None:
