@@ -2,8 +2,62 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a JSON schema, a regex, one of some strings, an EBNF grammar
+    or any JSON object (vLLM's spelling). Exactly one kind is set."""
+
+    json: dict | str | None = None  # a JSON schema (dict or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF / xgrammar syntax)
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set (got {', '.join(set_kinds) or 'none'})"
+            )
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json: must be a JSON schema object or its text")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object: must be true when set")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The kind's specification as text (the compile cache's key with the kind)."""
+        v = getattr(self, self.kind)
+        if self.kind == "json":
+            return v if isinstance(v, str) else _json.dumps(v, sort_keys=True)
+        if self.kind == "choice":
+            return _json.dumps(v)
+        return "" if self.kind == "json_object" else v
 
 
 @dataclass
@@ -26,6 +80,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # these words' token sequences are never completed
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -78,6 +135,18 @@ class SamplingParams:
             bad("logprobs", "must be in [0, 20]")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w for w in self.bad_words
+        ):
+            bad("bad_words", "must be a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
