@@ -197,6 +197,114 @@ def test_mixed_platforms_pass_for_a_fleet_not_for_data_parallel():
     assert asyncio.run(dp.wait_ready()) is False and "different platforms" in dp.dead
 
 
+# ---- restarts and retries, without processes ---------------------------------------------
+class Restartable(FakeEngine):
+    """Starts ready (or dead when `ok` is False); generate yields `tokens` updates, then ends,
+    or raises EngineDeadError when `dies`."""
+
+    def __init__(self, ok: bool = True, tokens: int = 1, dies: bool = False) -> None:
+        super().__init__()
+        self.ok, self.tokens, self.dies = ok, tokens, dies
+        self.shut = False
+
+    def start(self):
+        self.ready = self.ok
+        if not self.ok:
+            self.fail("start-up failed")
+
+    async def shutdown(self, timeout=5.0):
+        self.shut = True
+
+    def fail(self, reason):
+        if self.dead is None:
+            self.dead, self.ready = reason, False
+            if self.on_dead:
+                self.on_dead()
+
+    def abort(self, request_id):
+        pass
+
+    async def generate(self, request_id, prompt_ids, params):
+        from types import SimpleNamespace
+
+        from paged.engine.async_engine import EngineDeadError
+
+        self.sent.append(request_id)
+        for _ in range(self.tokens):
+            yield SimpleNamespace(output=SimpleNamespace(new_token_ids=[7]))
+        if self.dies:
+            self.fail("killed")
+            raise EngineDeadError("killed")
+
+
+async def until(cond) -> None:
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("timed out")
+
+
+def test_dead_replicas_restart_and_the_set_fails_only_when_none_can(monkeypatch):
+    import paged.engine.replicas as replicas
+
+    monkeypatch.setattr(replicas, "RESTART_BACKOFF_S", 0.0)
+    starts = {"ok": True, "made": 0}
+
+    def factory() -> Restartable:
+        starts["made"] += 1
+        return Restartable(ok=starts["ok"])
+
+    async def run():
+        a, b = (Replica(i, Restartable(), factory=factory) for i in range(2))
+        rs = ReplicaSet([a, b], False, "round-robin")
+        fired = []
+        rs.on_dead = lambda: fired.append(1)
+        assert await rs.wait_ready()
+        old = a.engine
+        old.fail("the engine core process exited (code -9)")
+        assert a.health == "restarting" and not a.ready and rs.ready  # b serves meanwhile
+        assert all(rs.route([1], Params()) is b for _ in range(3))  # out of the rotation
+        await until(lambda: a.health == "ready")
+        assert a.restarts == 1 and a.engine is not old and old.shut and starts["made"] == 1
+        starts["ok"] = False  # from now on no start succeeds
+        b.engine.fail("killed")
+        await until(lambda: b.health == "dead")
+        assert starts["made"] == 1 + replicas.MAX_RESTARTS and b.restarts == 0
+        assert "3 restarts in a row failed" in b.dead and rs.dead is None and rs.ready
+        assert not fired
+        a.engine.fail("killed")  # a's streak goes on: it was not up STABLE_S
+        await until(lambda: rs.dead is not None)
+        assert fired == [1] and not rs.ready and "every replica is dead" in rs.dead
+        assert starts["made"] == 1 + replicas.MAX_RESTARTS + 2
+        await rs.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_request_without_tokens_is_retried_on_another_replica_one_with_is_not():
+    async def collect(rs: ReplicaSet, rid: str) -> list:
+        return [u async for u in rs.generate(rid, [1, 2], Params())]
+
+    async def run():
+        from paged.engine.async_engine import EngineDeadError
+
+        dying, healthy = Restartable(tokens=0, dies=True), Restartable()
+        rs = ReplicaSet([Replica(0, dying), Replica(1, healthy)], False, "round-robin")
+        assert await rs.wait_ready()
+        got = await collect(rs, "a")  # sent to replica 0, which dies before any token
+        assert len(got) == 1 and dying.sent == ["a"] and healthy.sent == ["a"]
+        assert rs.retried == 1 and rs.dead is None  # no factory: replica 0 stays dead
+        midway = Restartable(tokens=2, dies=True)
+        rs = ReplicaSet([Replica(0, midway), Replica(1, Restartable())], False, "round-robin")
+        assert await rs.wait_ready()
+        with pytest.raises(EngineDeadError):  # tokens were out: the stream ends in an error
+            await collect(rs, "b")
+        assert rs.retried == 0
+
+    asyncio.run(run())
+
+
 # ---- a live fleet: 2 x cpu + 1 x example ---------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:

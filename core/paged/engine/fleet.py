@@ -246,9 +246,13 @@ def build_fleet(
                 ids = seen.split(",") if seen else [str(i) for i in range(used + w)]
                 p.env[var] = ",".join(ids[used : used + w])
             used += w
-        name_p = f"paged-core-{p.index}"
-        engine = AsyncEngine(cfg, log_level, load, faults, placement=p, name=name_p)
-        replicas.append(Replica(p.index, engine, p))
+
+        def factory(cfg: EngineConfig = cfg, p: Any = p) -> AsyncEngine:
+            return AsyncEngine(
+                cfg, log_level, load, faults, placement=p, name=f"paged-core-{p.index}"
+            )
+
+        replicas.append(Replica(p.index, factory(), p, factory))
     desc = ". ".join(f"{p.describe()} [{c.platform}]" for p, c in zip(shares, configs))
     log.info("fleet: %d replicas, router %s (%s)", len(configs), router, desc)
     return ReplicaSet(replicas, same_platform=False, router=router)

@@ -13,8 +13,15 @@ CPU cores and threads, devices), applied first thing in that process. Replicas o
 hosts or hardware implement the same `Replica` surface; `ReplicaSet.route` is the policy.
 
 With one replica the server uses the AsyncEngine itself (`make_engine`): no overhead.
-A replica that dies is fatal, as one engine's death is: every request in flight on any
-replica fails, /health turns 503 and the server exits 1.
+
+Failures, once the set has started: a replica whose engine dies, or stays silent longer than
+`wedge_timeout` (the server's --health-timeout; it is then killed), leaves the rotation at
+once and is restarted from its `factory` (a new engine-core process, or a new Ray actor,
+with the same config and placement). A request it held that had produced nothing yet is sent
+again to another replica (`retried`); one already streaming ends with EngineDeadError. After
+MAX_RESTARTS failed starts in a row a replica stays dead; when every replica is, the set
+fails as one engine does (every request fails, /health 503, the server exits 1). A replica
+that fails its first start fails the start-up.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,13 +38,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged.config import EngineConfig
-from paged.engine.async_engine import AsyncEngine, SeqUpdate
+from paged.engine.async_engine import AsyncEngine, EngineDeadError, SeqUpdate
 from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
 EWMA = 0.3  # weight of a new speed sample
 SPEED_WINDOW_S = 0.25  # shortest interval a throughput sample covers
+MAX_RESTARTS = 3  # failed starts in a row before a replica is left dead
+RESTART_BACKOFF_S = 1.0  # wait before the 2nd start in a row; doubles for each next one
+STABLE_S = 60.0  # a replica up this long starts a new streak when it dies
+START_TIMEOUT_S = 600.0  # for a restarted replica to be ready
+# EngineCore.metrics() counters: a restarted replica's continue from its previous engine's.
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
+            "num_preemptions")  # fmt: skip
 
 # Variables that choose the devices a process sees, by platform family: each replica sees a
 # disjoint slice of what the server sees (CUDA_VISIBLE_DEVICES also filters HIP devices).
@@ -111,13 +126,28 @@ def _load_once(load: Callable[[], Any] | None) -> Callable[[], Any] | None:
 
 
 class Replica:
-    """One engine replica as the server sees it: here an AsyncEngine (an engine core
-    process on this host)."""
+    """One engine replica as the server sees it: an AsyncEngine (an engine core process on
+    this host, or in a Ray actor: paged.engine.ray_replicas). `factory` builds a fresh one
+    with the same config and placement when the replica is restarted."""
 
-    def __init__(self, index: int, engine: AsyncEngine, placement: Placement | None = None):
+    def __init__(
+        self,
+        index: int,
+        engine: AsyncEngine,
+        placement: Placement | None = None,
+        factory: Callable[[], AsyncEngine] | None = None,
+    ):
         self.index = index
         self.engine = engine
         self.placement = placement
+        self.factory = factory
+        self.restarts = 0  # successful restarts
+        self.restarting = False  # out of the rotation, a new engine on its way
+        self.failed: str | None = None  # restarts gave up: why it stays dead
+        self.streak = 0  # starts in a row since it last stayed up STABLE_S
+        self.up_since: float | None = None
+        self._carried: dict[str, float] = {}  # counters of the engines it replaced
+        self._last_info: dict[str, Any] | None = None  # the replaced engine's
         # Learnt from the outputs it returns (tokens/s EWMAs; None until measured): its
         # throughput while busy (prompt and generated tokens), and prompt tokens per second of
         # time to first token. The router divides outstanding work by the first and weighs
@@ -142,11 +172,39 @@ class Replica:
     # ---- health ----------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.engine.ready
+        """In the rotation: its engine serves and it is not being restarted."""
+        return self.engine.ready and not self.restarting and self.failed is None
 
     @property
     def dead(self) -> str | None:
-        return self.engine.dead
+        return self.failed or self.engine.dead
+
+    @property
+    def health(self) -> str:
+        """ready | starting | restarting | dead (for good, or not yet being restarted)."""
+        if self.failed is not None:
+            return "dead"
+        if self.restarting:
+            return "restarting"
+        if self.engine.dead is not None:
+            return "dead"
+        return "ready" if self.engine.ready else "starting"
+
+    @property
+    def node(self) -> str:
+        """Where its engine runs: this host's name, or the Ray node's address."""
+        return getattr(self.engine, "node", None) or socket.gethostname()
+
+    def replace_engine(self, engine: AsyncEngine) -> None:
+        """Swap in a fresh engine (a restart): counters carry on from the old one; the prefix
+        blocks tracked are forgotten (a new engine's cache is empty)."""
+        old = self.engine
+        for k in COUNTERS:
+            if k in old.stats:
+                self._carried[k] = self._carried.get(k, 0.0) + old.stats[k]
+        self._last_info = old.info or self._last_info
+        self.engine = engine
+        self._prefix = None
 
     def silent_for(self) -> float:
         return self.engine.silent_for()
@@ -160,17 +218,24 @@ class Replica:
 
     @property
     def stats(self) -> dict[str, float]:
-        """The engine's latest metrics (EngineCore.metrics())."""
-        return self.engine.stats
+        """The engine's latest metrics (EngineCore.metrics()); counters include those of the
+        engines it replaced."""
+        if not self._carried:
+            return self.engine.stats
+        s = dict(self.engine.stats)
+        for k, v in self._carried.items():
+            s[k] = s.get(k, 0.0) + v
+        return s
 
     @property
     def info(self) -> dict[str, Any] | None:
-        """The engine's Ready info (platform, dtype, max_model_len, num_blocks, pid, ...)."""
-        return self.engine.info
+        """The engine's Ready info (platform, dtype, max_model_len, num_blocks, pid, ...);
+        while a new engine starts, the one it replaces."""
+        return self.engine.info or self._last_info
 
     @property
     def platform(self) -> str:
-        return (self.engine.info or {}).get("platform") or "unknown"
+        return (self.info or {}).get("platform") or "unknown"
 
     # ---- lifecycle and requests --------------------------------------------------------
     def start(self) -> None:
@@ -235,21 +300,34 @@ class ReplicaSet:
         replicas: list[Replica],
         same_platform: bool = True,
         router: Router | str = "least-load",
+        wedge_timeout: float = 5.0,
     ) -> None:
         """same_platform: refuse replicas that came up on different platforms (a data-parallel
         set is one kind of hardware: a replica that found no device of its own runs on the
         CPU fallback otherwise); False for a fleet file, whose groups name their platforms.
-        router: a Router or a policy name (paged.engine.router.POLICIES)."""
+        router: a Router or a policy name (paged.engine.router.POLICIES). wedge_timeout: a
+        serving replica silent this long is killed and restarted (--health-timeout)."""
         assert replicas, "a replica set needs replicas"
         self.replicas = replicas
         self.same_platform = same_platform
         self.router = router if isinstance(router, Router) else Router(router)
+        self.wedge_timeout = wedge_timeout
         self.dead: str | None = None
         self.on_dead: Callable[[], None] | None = None
+        self.retried = 0  # requests sent again after their replica died before a token
         self._observer: Any = None
         self._info: dict[str, Any] | None = None
+        self._serving = False  # every replica came up: from now on, dead ones restart
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()  # restarts and the watchdog
+        self._changed: asyncio.Event | None = None  # set when a replica's state changes
         for r in replicas:
-            r.engine.on_dead = lambda r=r: self._replica_died(r)
+            self._wire(r)
+
+    def _wire(self, r: Replica) -> None:
+        engine = r.engine
+        engine.on_dead = lambda: self._replica_died(r, engine)
+        engine.observer = self._observer
 
     # ---- what the server reads -------------------------------------------------------
     @property
@@ -268,11 +346,20 @@ class ReplicaSet:
 
     @property
     def ready(self) -> bool:
-        return self.dead is None and all(r.ready for r in self.replicas)
+        """Starting: every replica is ready. Serving: at least one is in the rotation."""
+        if self.dead is not None:
+            return False
+        if self._serving:
+            return any(r.ready for r in self.replicas)
+        return all(r.ready for r in self.replicas)
 
     def silent_for(self) -> float:
-        """The most silent replica's silence: one wedged replica makes /health fail."""
-        return max(r.silent_for() for r in self.replicas)
+        """Starting: the most silent replica's silence. Serving: the least silent serving
+        replica's (a silent one is restarted by the watchdog; the others serve meanwhile)."""
+        if not self._serving:
+            return max(r.silent_for() for r in self.replicas)
+        live = [r.silent_for() for r in self.replicas if r.ready]
+        return min(live) if live else 0.0
 
     @property
     def info(self) -> dict[str, Any] | None:
@@ -313,7 +400,8 @@ class ReplicaSet:
             r.start()
 
     async def wait_ready(self) -> bool:
-        """Wait until every replica is ready (True) or one is dead (False)."""
+        """Wait until every replica is ready (True) or one is dead (False). From then on,
+        replicas that die are restarted."""
         await asyncio.gather(*(r.wait_ready() for r in self.replicas))
         if self.ready and self.same_platform:
             kinds = [r.platform for r in self.replicas]
@@ -323,7 +411,9 @@ class ReplicaSet:
                     f"devices for {len(kinds)} replicas of this engine"
                 )
         if self.ready:
+            now = time.monotonic()
             for r in self.replicas:
+                r.up_since = now
                 i = r.info or {}
                 log.info(
                     "replica %d ready: pid %s on %s (%s), KV cache %d blocks",
@@ -333,38 +423,167 @@ class ReplicaSet:
                     i.get("dtype"),
                     i.get("num_blocks", 0),
                 )
+            self._serving = True
+            self._spawn(self._watchdog())
         return self.ready
 
     async def shutdown(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
 
-    def _replica_died(self, replica: Replica) -> None:
-        if self.dead is None:
-            self._fail_all(f"replica {replica.index}: {replica.dead}")
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _notify(self) -> None:
+        """Wake requests waiting for a replica to serve them."""
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _replica_died(self, replica: Replica, engine: Any) -> None:
+        if engine is not replica.engine or self._closing or self.dead is not None:
+            return  # an engine already replaced, or the set is going anyway
+        if not self._serving:  # a start-up failure fails the start-up
+            self._fail_all(f"replica {replica.index}: {engine.dead}")
+            return
+        self._notify()
+        if replica.factory is None:
+            self._give_up(replica, engine.dead or "dead")
+        elif not replica.restarting:
+            log.error("replica %d is out of the rotation: %s", replica.index, engine.dead)
+            replica.restarting = True
+            self._spawn(self._restart(replica, engine.dead or "dead"))
+
+    async def _restart(self, r: Replica, why: str) -> None:
+        """New engines for the replica until one is ready: at most MAX_RESTARTS starts in a
+        row (a replica that had stayed up STABLE_S starts a new streak), waiting
+        RESTART_BACKOFF_S, then twice as long, ... between them."""
+        platform = r.platform
+        if r.up_since is not None and time.monotonic() - r.up_since >= STABLE_S:
+            r.streak = 0
+        r.up_since = None
+        while r.streak < MAX_RESTARTS:
+            if r.streak:
+                await asyncio.sleep(RESTART_BACKOFF_S * 2 ** (r.streak - 1))
+            r.streak += 1
+            await r.shutdown(1.0)  # the old engine: kill it if it still runs
+            assert r.factory is not None
+            r.replace_engine(r.factory())
+            self._wire(r)
+            log.info("replica %d: restart %d in a row (%s)", r.index, r.streak, why)
+            r.start()
+            try:
+                ok = await asyncio.wait_for(r.engine.wait_ready(), START_TIMEOUT_S)
+            except TimeoutError:
+                r.engine.fail(f"not ready within {START_TIMEOUT_S:g} s")
+                ok = False
+            if ok and r.engine.info and r.engine.info.get("platform") != platform:
+                got = r.engine.info.get("platform")
+                r.engine.fail(f"restarted on platform {got}, not {platform}")
+                ok = False
+            if ok:
+                r.restarts += 1
+                r.restarting, r.up_since = False, time.monotonic()
+                self._info = None
+                log.info("replica %d is back (restart %d): pid %s", r.index, r.restarts,
+                         (r.info or {}).get("pid"))  # fmt: skip
+                self._notify()
+                return
+            why = r.engine.dead or "not ready"
+            log.error("replica %d: restart failed: %s", r.index, why)
+        self._give_up(r, f"{MAX_RESTARTS} restarts in a row failed, the last: {why}")
+
+    def _give_up(self, r: Replica, why: str) -> None:
+        r.failed, r.restarting = why, False
+        log.error("replica %d stays dead: %s", r.index, why)
+        self._notify()
+        if all(x.failed is not None for x in self.replicas):
+            self._fail_all(f"every replica is dead; replica {r.index}: {why}")
 
     def _fail_all(self, reason: str) -> None:
-        """One replica down takes the set down: fail every request on all of them."""
+        """Take the set down: fail every request on all replicas."""
         self.dead = reason
         for r in self.replicas:
             r.fail(reason)  # no-op for the one already dead
+        self._notify()
         if self.on_dead is not None:
             self.on_dead()
 
+    async def _watchdog(self) -> None:
+        """Kill serving replicas silent for longer than wedge_timeout (then they restart)."""
+        while not self._closing and self.dead is None:
+            await asyncio.sleep(min(1.0, self.wedge_timeout / 4))
+            for r in self.replicas:
+                silent = r.silent_for()
+                if r.ready and silent > self.wedge_timeout:
+                    r.fail(f"silent for {silent:.1f} s (more than {self.wedge_timeout:g} s)")
+
     # ---- requests --------------------------------------------------------------------
     def route(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
-        """The router's pick among the replicas that can hold the request (router.py)."""
+        """The router's pick among the serving replicas that can hold the request
+        (router.py); with none serving, among all (a dead one's engine says so at once)."""
         max_tokens = getattr(params, "max_tokens", None)
-        return self.router.pick(self.replicas, prompt_ids, max_tokens)
+        live = [r for r in self.replicas if r.ready] or self.replicas
+        return self.router.pick(live, prompt_ids, max_tokens)
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[SeqUpdate]:
         """AsyncEngine.generate on the routed replica. Its load rises as soon as the iterator
         starts (the request is sent), before any other request is routed. The replica
-        remembers the prompt's blocks (its prefix cache holds them next)."""
+        remembers the prompt's blocks (its prefix cache holds them next). If the replica dies
+        before the request produced anything, it is sent again to another one."""
         replica = self.route(prompt_ids, params)
         replica.prefix.add(block_hashes(prompt_ids))
-        return replica.generate(request_id, prompt_ids, params)
+        first = replica.generate(request_id, prompt_ids, params)
+        return self._retrying(request_id, prompt_ids, params, replica, first)
+
+    async def _retrying(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        replica: Replica,
+        updates: AsyncIterator[SeqUpdate],
+    ) -> AsyncIterator[SeqUpdate]:
+        attempts = 1
+        while True:
+            produced = False
+            try:
+                async for u in updates:
+                    produced = True
+                    yield u
+                return
+            except EngineDeadError:
+                if produced or self._closing or attempts > len(self.replicas):
+                    raise
+            finally:
+                await updates.aclose()  # type: ignore[attr-defined]
+            replica = await self._serving_replica(prompt_ids, params)
+            attempts += 1
+            self.retried += 1
+            log.warning("request %s: its replica died before it produced a token; sent "
+                        "again to replica %d", request_id, replica.index)  # fmt: skip
+            replica.prefix.add(block_hashes(prompt_ids))
+            updates = replica.generate(request_id, prompt_ids, params)
+
+    async def _serving_replica(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
+        """The router's pick among the serving replicas, waiting while none serves (they are
+        restarting); EngineDeadError once the set is dead."""
+        while True:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            if any(r.ready for r in self.replicas):
+                return self.route(prompt_ids, params)
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
 
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
@@ -388,30 +607,36 @@ def make_engine(
     shares = placements(config, n)
     one = dataclasses.replace(config, data_parallel_size=1)  # what each replica runs
     for p in shares:
-        name = f"paged-core-{p.index}"
-        engine = AsyncEngine(one, log_level, load, faults, placement=p, name=name)
-        replicas.append(Replica(p.index, engine, p))
+
+        def factory(p: Placement = p) -> AsyncEngine:
+            return AsyncEngine(
+                one, log_level, load, faults, placement=p, name=f"paged-core-{p.index}"
+            )
+
+        replicas.append(Replica(p.index, factory(), p, factory))
     log.info("data parallel: %d replicas (%s)", n, ". ".join(p.describe() for p in shares))
     return ReplicaSet(replicas, router=router)
 
 
 def fleet_view(engine: AsyncEngine | ReplicaSet) -> dict[str, Any]:
-    """What GET /fleet answers: each replica's platform, pid, health, load, KV usage, measured
-    speeds and prefix blocks tracked, and the router's policy (a single engine: one row)."""
+    """What GET /fleet answers: each replica's platform, node, pid, health, restarts, load, KV
+    usage, measured speeds and prefix blocks tracked; the router's policy and the requests
+    sent again after their replica died (a single engine: one row)."""
     if isinstance(engine, ReplicaSet):
-        replicas, policy = engine.replicas, engine.router.policy
+        replicas, policy, retried = engine.replicas, engine.router.policy, engine.retried
     else:
-        replicas, policy = [Replica(0, engine)], None
+        replicas, policy, retried = [Replica(0, engine)], None, 0
     rows = []
     for r in replicas:
         i, s = r.info or {}, r.stats
-        health = "dead" if r.dead is not None else ("ready" if r.ready else "starting")
         rows.append(
             {
                 "index": r.index,
                 "platform": i.get("platform"),
+                "node": r.node,
                 "pid": i.get("pid"),
-                "health": health,
+                "health": r.health,
+                "restarts": r.restarts,
                 "dead": r.dead,
                 "silent_for": round(r.silent_for(), 3),
                 "outstanding_tokens": r.load,
@@ -426,4 +651,4 @@ def fleet_view(engine: AsyncEngine | ReplicaSet) -> dict[str, Any]:
                 "prefix_blocks": len(r.prefix) if r._prefix is not None else 0,
             }
         )
-    return {"router": policy, "replicas": rows}
+    return {"router": policy, "retried_requests": retried, "replicas": rows}

@@ -94,6 +94,35 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)",
     )
+    add_parsing_args(parser)
+
+
+def add_parsing_args(parser: argparse.ArgumentParser) -> None:
+    """Tool calling and reasoning (docs/structured.md), in vLLM's spellings."""
+    from paged.server.reasoning import REASONING_PARSERS
+    from paged.server.tool_parsers import TOOL_PARSERS
+
+    g = parser.add_argument_group("tool calling and reasoning")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3, "
+        "Hermes, SmolLM), llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think> reasoning into reasoning_content: deepseek_r1 (the output starts "
+        "in the reasoning) or qwen3 (<think> blocks)",
+    )
 
 
 def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
@@ -120,6 +149,11 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
             log.error("invalid fleet file: %s", e)
             return 2
         config.model = fleet.model or config.model
+    try:
+        parsing_options(args)
+    except ValueError as e:
+        log.error("invalid configuration: %s", e)
+        return 2
     api_key = args.api_key or os.environ.get("PAGED_API_KEY") or None
     try:
         return asyncio.run(_serve(config, args, api_key, faults, fleet))
@@ -127,6 +161,17 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         return 130
+
+
+def parsing_options(args: argparse.Namespace) -> Any:
+    """The tool-call and reasoning parsers the flags ask for; ValueError names the flag."""
+    from paged.server.chat_parsing import ParsingOptions
+
+    return ParsingOptions(
+        getattr(args, "enable_auto_tool_choice", False),
+        getattr(args, "tool_call_parser", None),
+        getattr(args, "reasoning_parser", None),
+    )
 
 
 def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
@@ -199,9 +244,12 @@ async def _serve(
         engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router, args.fleet)
     else:  # data_parallel_size of them
         engine = make_engine(config, args.log_level, load_tok, faults, router)
+    if hasattr(engine, "wedge_timeout"):  # replicas: one silent this long is restarted
+        engine.wedge_timeout = args.health_timeout
     metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None))
     engine.observer = metrics
     serving = Serving(engine, name, chat_template, args.max_prompt_chars)
+    serving.parsing = parsing_options(args)
     state = ServerState(serving, metrics, api_key)
     state.max_body = args.max_request_body
     state.metrics_require_key = args.metrics_require_key

@@ -84,13 +84,20 @@ class _EngineCollector(Collector):
             "generated tokens per second; 0 until measured)",
             labels=labels,
         )
+        restarts = CounterMetricFamily(
+            "paged:replica_restarts",
+            "times the replica was restarted after its engine died or went silent",
+            labels=labels,
+        )
         for lab, r in rows:
             ready.add_metric(lab, float(r.ready))
             load.add_metric(lab, float(r.load))
             speed.add_metric(lab, float(getattr(r, "speed", None) or 0.0))
+            restarts.add_metric(lab, float(getattr(r, "restarts", 0)))
         yield ready
         yield load
         yield speed
+        yield restarts
 
 
 class ServerMetrics:
