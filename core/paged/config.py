@@ -77,6 +77,11 @@ class EngineConfig:
     )
     served_model_name: str | None = _opt("model name reported by the API")
     chat_template: str | None = _opt("a Jinja chat template file or string")
+    structured_outputs_backend: str = _opt(
+        "grammar backend of structured outputs: xgrammar | auto (xgrammar) | llguidance "
+        "(when installed)",
+        default="auto",
+    )
     # The platforms' own options set explicitly ({"cpu_native": False}): their flags, LLM
     # keyword arguments; the platform falls back to each option's env variable, then default.
     platform_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -94,6 +99,9 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend must be mp or ray")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        from paged.sampling.structured import check_backend
+
+        check_backend(self.structured_outputs_backend)
         if self.platform_options:
             known = platform_options()
             for name in self.platform_options:

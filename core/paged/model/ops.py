@@ -55,12 +55,33 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
+) -> None:
+    """Set to -inf, in place, the logits of rows `rows` [k] (None: all, in order) whose bit is
+    clear in `bitmask` (int32 [k, ceil(V/32)]; token t is bit t % 32 of word t // 32, as
+    xgrammar packs it). A platform may replace this with its own kernel (Platform.ops())."""
+    vocab = logits.shape[-1]
+    nbits = bitmask.shape[-1] * 32
+    # Little-endian bytes: byte b of a row holds tokens 8b .. 8b+7, lowest bit first.
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    bits = bitmask.contiguous().view(torch.uint8).unsqueeze(-1).bitwise_right_shift(shifts)
+    banned = (bits & 1).view(bitmask.shape[0], nbits)[:, :vocab] == 0
+    if nbits < vocab:
+        banned = torch.nn.functional.pad(banned, (0, vocab - nbits), value=False)
+    if rows is None:
+        logits.masked_fill_(banned, float("-inf"))
+        return
+    logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+
+
 _DEFAULTS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
 }
 _active: dict[str, Callable] = dict(_DEFAULTS)
 

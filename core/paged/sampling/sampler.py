@@ -7,10 +7,15 @@ from its own generator and gets the same tokens whatever else is in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from paged.model import ops
 from paged.scheduled import RequestView
+
+if TYPE_CHECKING:
+    from paged.scheduled import TokenBitmask
 
 
 @dataclass
@@ -25,6 +30,10 @@ class SamplingBatch:
     reqs: list[RequestView]
     min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid)
     logit_bias: list[tuple[int, dict[int, float]]]
+    # (rows [k] int64 or None for all, packed int32 bitmask [k, ceil(V/32)], bit set:
+    # allowed) on the device:
+    # structured outputs, allowed_token_ids and bad_words of the masked rows.
+    bitmask: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
 
 def build_sampling_batch(
@@ -39,7 +48,8 @@ def build_sampling_batch(
     greedy = [p.greedy for p in ps]
     simple = all(greedy) and not any(
         p.needs_penalties or p.logit_bias or r.num_output_tokens < p.min_tokens
-        for r, p in zip(reqs, ps))
+        for r, p in zip(reqs, ps)
+    )
     if simple:  # the common greedy case: no tensors to build or copy
         return SamplingBatch(None, None, None, None, True, {}, None, reqs, [], [])
     temp = torch.tensor(
@@ -90,6 +100,24 @@ def build_sampling_batch(
     )
 
 
+def bitmask_rows(
+    mask: TokenBitmask, reqs: list[RequestView], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The step's bitmask (rows by request id) on the device, rows as in `reqs` (the
+    requests that sample, in logits row order)."""
+    row_of, bm = mask
+    pairs = [(i, row_of[r.request_id]) for i, r in enumerate(reqs) if r.request_id in row_of]
+    if not pairs:
+        return None
+    rows = [i for i, _ in pairs]
+    src = [j for _, j in pairs]
+    if src != list(range(bm.shape[0])):
+        bm = bm[torch.tensor(src)]
+    everyone = rows == list(range(len(reqs)))
+    rows_t = None if everyone else torch.tensor(rows, dtype=torch.int64).to(device)
+    return rows_t, bm.to(device, non_blocking=True)
+
+
 def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     rep, pres, freq = sb.penalties
     n, vocab = logits.shape
@@ -111,7 +139,10 @@ def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N] (int64, on the logits' device)."""
+    """logits [N, V] float32 -> token ids [N] (int64, on the logits' device). The token
+    bitmask is applied to `logits` in place (so logprobs taken after see it, as in vLLM)."""
+    if sb.bitmask is not None:
+        ops.get("apply_token_bitmask")(logits, sb.bitmask[1], sb.bitmask[0])
     if sb.logit_bias:
         for i, bias in sb.logit_bias:
             ids = torch.tensor(list(bias.keys()), device=logits.device)

@@ -1,0 +1,306 @@
+"""Structured outputs with xgrammar: grammars, per-request matchers and each step's token mask.
+
+The engine core owns one StructuredOutputs. It compiles a request's grammar off the step
+loop (a thread pool; xgrammar's GrammarCompiler caches compiled grammars by spec), keeps a
+GrammarMatcher per constrained request, fills a packed token bitmask (bit set: allowed) for
+the constrained rows of each step and advances the matcher with each resolved token. The
+same bitmask also carries `allowed_token_ids` and `bad_words`, so the device applies one
+mask per step. The tokenizer (for xgrammar's TokenizerInfo and for tokenizing bad words) is
+loaded in the engine core once, lazily, by the first request that needs it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from paged.sampling.params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from paged.scheduled import TokenBitmask
+
+log = logging.getLogger("paged")
+BACKENDS = ("auto", "xgrammar", "llguidance")
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[16:36:30] /project/x.cc:94: "
+
+
+def check_backend(name: str) -> str:
+    """The backend `--structured-outputs-backend` names, resolved ('auto' is xgrammar)."""
+    if name not in BACKENDS:
+        raise ValueError(
+            f"structured_outputs_backend: {name!r} is not one of {', '.join(BACKENDS)}"
+        )
+    if name == "llguidance":
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "structured_outputs_backend: llguidance is not installed "
+                "(pip install llguidance), use xgrammar"
+            ) from None
+        raise ValueError(
+            "structured_outputs_backend: llguidance is installed but paged drives xgrammar "
+            "only; use xgrammar (or auto)"
+        )
+    return "xgrammar"
+
+
+def _clean(e: Exception) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _XGR_PREFIX.sub("", msg)[:500]
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices` (JSON string escapes are valid
+    xgrammar EBNF string literals)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def check_spec(sp: StructuredOutputsParams, field: str) -> None:
+    """Parse the spec without a tokenizer (cheap): ValueError '`field`: why' if invalid.
+    `field` is how the client spelled it (e.g. response_format.json_schema.schema)."""
+    import xgrammar as xgr
+
+    kind = sp.kind
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(sp.spec)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(sp.regex)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(sp.grammar)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(sp.choice))
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError
+        what = {"json": "invalid JSON schema", "regex": "invalid regex",
+                "grammar": "invalid EBNF grammar", "choice": "invalid choices"}[kind]  # fmt: skip
+        raise ValueError(f"{field}: {what}: {_clean(e)}") from None
+
+
+def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of bad words: each word alone and after a space (a word starts
+    the text or follows another), the spaced form kept when it is a different first token
+    of the same length."""
+    out: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+            if not ids:
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    return out
+
+
+def words_of(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def pack_allowed(ids: Iterable[int], vocab_size: int) -> np.ndarray:
+    """A bitmask row (uint32 words) with only `ids` allowed."""
+    allowed = np.zeros(words_of(vocab_size) * 32, dtype=bool)
+    allowed[np.fromiter(ids, dtype=np.int64)] = True
+    return np.packbits(allowed, bitorder="little").view(np.uint32)
+
+
+@dataclass
+class RequestMask:
+    """What masks one request's logits: a matcher, allowed ids, bad word sequences."""
+
+    matcher: Any = None  # xgrammar.GrammarMatcher
+    allowed: np.ndarray | None = None  # uint32 words
+    bad_words: list[list[int]] = field(default_factory=list)
+
+
+class StructuredOutputs:
+    """Engine-core side: compiles, holds matchers, fills each step's bitmask."""
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], Any],
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        backend: str = "auto",
+        max_workers: int = 2,
+    ) -> None:
+        self.backend = check_backend(backend)
+        self.vocab_size = vocab_size  # the logits' (the model's), may exceed the tokenizer's
+        self.eos_token_ids = eos_token_ids
+        self._load_tokenizer = load_tokenizer
+        self._tok_lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._compiler: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._max_workers = max_workers
+        self.pending: dict[str, tuple[list[Any], Future]] = {}  # first id -> (sequences, job)
+        self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
+
+    @staticmethod
+    def needs(params: SamplingParams) -> bool:
+        return bool(
+            params.structured_outputs is not None or params.allowed_token_ids or params.bad_words
+        )
+
+    @staticmethod
+    def needs_sync(params: SamplingParams) -> bool:
+        """The mask depends on the previous token: the step waits for it (no overlap)."""
+        return params.structured_outputs is not None or bool(params.bad_words)
+
+    # ---- requests ------------------------------------------------------------------
+    def add(self, seqs: list[Any]) -> None:
+        """Start preparing the mask of a request's sequences (same params but the seed); they
+        may be scheduled once `ready()` returns them. ValueError (naming the field) for a spec
+        that does not parse or an id out of vocabulary."""
+        p = seqs[0].params
+        if p.structured_outputs is not None:
+            check_spec(p.structured_outputs, f"structured_outputs.{p.structured_outputs.kind}")
+        if p.allowed_token_ids:
+            bad = next((t for t in p.allowed_token_ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"allowed_token_ids: token id {bad} is out of vocabulary "
+                    f"(vocabulary size {self.vocab_size})"
+                )
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="paged-grammar")
+        self.pending[seqs[0].request_id] = (seqs, self._pool.submit(self._prepare, p))
+
+    def ready(self, timeout: float = 0.0) -> tuple[list[list[Any]], list[tuple[Any, str]]]:
+        """(sequences of each request whose mask is ready, (sequence, error) of those that
+        failed); finished (aborted) sequences are dropped. Waits up to `timeout` seconds for
+        one job when none is done."""
+        jobs = [f for _, f in self.pending.values()]
+        if timeout and jobs and not any(f.done() for f in jobs):
+            wait(jobs, timeout, FIRST_COMPLETED)
+        done, failed = [], []
+        for key, (seqs, fut) in list(self.pending.items()):
+            if not fut.done():
+                continue
+            del self.pending[key]
+            seqs = [s for s in seqs if not s.finished]
+            try:
+                compiled, allowed, bad = fut.result()
+            except Exception as e:
+                log.warning("request %s: structured output setup failed: %s", key, e)
+                why = str(e) if isinstance(e, ValueError) else _clean(e)
+                failed += [(s, why) for s in seqs]
+                continue
+            for s in seqs:
+                matcher = None
+                if compiled is not None:
+                    import xgrammar as xgr
+
+                    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+                self.masks[s.request_id] = RequestMask(matcher, allowed, bad)
+            if seqs:
+                done.append(seqs)
+        return done, failed
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished sequence's mask (a job still preparing drops finished ones)."""
+        self.masks.pop(request_id, None)
+
+    def __len__(self) -> int:
+        """Sequences with a mask, and requests whose mask is being prepared."""
+        return len(self.masks) + len(self.pending)
+
+    # ---- compiling (pool threads) --------------------------------------------------
+    def _tok(self) -> Any:
+        with self._tok_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                tok = self._load_tokenizer()
+                if tok is None:
+                    raise ValueError(
+                        "structured_outputs: this model has no tokenizer to build masks with"
+                    )
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tok,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=list(self.eos_token_ids) or None,
+                )
+                self._tokenizer, self._compiler = tok, xgr.GrammarCompiler(info)
+            return self._tokenizer
+
+    def _prepare(self, p: SamplingParams) -> tuple[Any, np.ndarray | None, list[list[int]]]:
+        """(compiled grammar or None, allowed-ids row or None, bad word token sequences)."""
+        allowed = None
+        if p.allowed_token_ids:
+            allowed = pack_allowed(p.allowed_token_ids, self.vocab_size)
+        if p.structured_outputs is None and not p.bad_words:
+            return None, allowed, []
+        tok = self._tok()
+        bad = bad_words_ids(tok, p.bad_words) if p.bad_words else []
+        sp, compiled = p.structured_outputs, None
+        if sp is not None:
+            try:
+                compiled = self._compile(sp)
+            except Exception as e:
+                raise ValueError(f"structured_outputs.{sp.kind}: {_clean(e)}") from None
+        return compiled, allowed, bad
+
+    def _compile(self, sp: StructuredOutputsParams) -> Any:
+        c = self._compiler
+        kind = sp.kind
+        if kind == "json":
+            return c.compile_json_schema(sp.spec, any_whitespace=not sp.disable_any_whitespace)
+        if kind == "json_object":
+            return c.compile_builtin_json_grammar()
+        if kind == "regex":
+            return c.compile_regex(sp.regex)
+        if kind == "choice":
+            return c.compile_grammar(choice_ebnf(sp.choice))
+        return c.compile_grammar(sp.grammar)
+
+    # ---- each step -----------------------------------------------------------------
+    def bitmask(self, batch: Any) -> TokenBitmask | None:
+        """The mask of `batch`'s masked requests that sample in this step (forked sequences
+        included), or None. Called after scheduling, before the step's tokens are added."""
+        sampling = [
+            r
+            for r, n in zip(batch.reqs, batch.num_new)
+            if r.request_id in self.masks and r.num_computed_tokens + n >= r.num_tokens
+        ]
+        sampling += [s for _, seqs in getattr(batch, "forks", ()) for s in seqs
+                     if s.request_id in self.masks]  # fmt: skip
+        if not sampling:
+            return None
+        bm = torch.full((len(sampling), words_of(self.vocab_size)), -1, dtype=torch.int32)
+        words = bm.numpy().view(np.uint32)
+        for k, req in enumerate(sampling):
+            m = self.masks[req.request_id]
+            if m.matcher is not None and not m.matcher.is_terminated():
+                m.matcher.fill_next_token_bitmask(bm, k)
+            if m.allowed is not None:
+                words[k] &= m.allowed
+            if m.bad_words:
+                out = req.output_token_ids
+                for seq in m.bad_words:
+                    n = len(seq) - 1
+                    if n <= len(out) and (n == 0 or out[-n:] == seq[:-1]):
+                        t = seq[-1]
+                        words[k, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return {r.request_id: k for k, r in enumerate(sampling)}, bm
+
+    def accept(self, request_id: str, token: int) -> str | None:
+        """Advance the request's matcher by a resolved token: "done" when the grammar has
+        terminated (the request stops), "refused" when the token breaks it (only when the
+        mask left nothing, e.g. against min_tokens), else None."""
+        m = self.masks.get(request_id)
+        if m is None or m.matcher is None:
+            return None
+        if m.matcher.is_terminated():
+            return "done"
+        if not m.matcher.accept_token(token):
+            return "refused"
+        return "done" if m.matcher.is_terminated() else None
