@@ -42,6 +42,12 @@ class ScheduledBatch:
     num_decodes: int = 0
     # Requests that ended since the last step: workers drop what they keep for them.
     finished_ids: list[str] = field(default_factory=list)
+    # KV blocks to copy (source, destination) before the forward: copy-on-write of a partial
+    # block that several sequences share (n > 1 samples forked from one prompt).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (request, sequences): requests that complete their prompt in this step and the other
+    # samples forked from them (sharing its blocks); each samples from the request's logits row.
+    forks: list[tuple[RequestView, list[RequestView]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

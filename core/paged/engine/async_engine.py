@@ -32,9 +32,9 @@ import zmq.asyncio
 from paged.config import EngineConfig
 from paged.engine import messages as m
 from paged.engine.faults import Faults
-from paged.engine.llm import _child_params
 from paged.engine.messages import EngineOutput
 from paged.engine.outputs import OutputState
+from paged.engine.request import sample_params, sequence_ids
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
@@ -165,8 +165,9 @@ def _core_loop(
                     try:
                         core.add_request(rid, r.prompt_token_ids, r.params)
                         arrivals[rid] = time.time()
-                    except ValueError as e:
-                        rejected.append(EngineOutput(rid, [], True, REJECTED, error=str(e)))
+                    except ValueError as e:  # each of its sequences is told
+                        for sid in sequence_ids(rid, r.params.num_sequences):
+                            rejected.append(EngineOutput(sid, [], True, REJECTED, error=str(e)))
             elif type(msg) is m.Abort:
                 core.abort(msg.request_ids)
             elif type(msg) is m.Shutdown:
@@ -363,18 +364,18 @@ class AsyncEngine:
         if request_id in self._children:
             raise ValueError(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        n = params.n
-        cids = [f"{request_id}-{i}" if n > 1 else request_id for i in range(n)]
-        cparams = [_child_params(params, i) for i in range(n)]
+        n = params.num_sequences  # the core runs them as one prompt and n forked sequences
+        cids = sequence_ids(request_id, n)
+        cparams = [sample_params(params, i) for i in range(n)]
         states = [OutputState(i, self.tokenizer, prompt_ids, p) for i, p in enumerate(cparams)]
         for i, cid in enumerate(cids):
             self._seqs[cid] = (q, i)
         self._children[request_id] = cids
-        self._send(m.Add([m.NewRequest(cid, prompt_ids, p) for cid, p in zip(cids, cparams)]))
+        self._send(m.Add([m.NewRequest(request_id, prompt_ids, params)]))
         plen = len(prompt_ids)
         gen = params.max_tokens or max((self.info or {}).get("max_model_len", 0) - plen, 1)
-        work = [plen + gen] * n  # outstanding_tokens of each sequence
-        self.outstanding_tokens += plen * n + gen * n
+        work = [plen + gen] + [gen] * (n - 1)  # outstanding_tokens of each sequence
+        self.outstanding_tokens += sum(work)
         obs = self.observer
         t0 = time.monotonic()
         last = [0.0] * n

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
 from paged.engine.messages import EngineOutput  # re-exported: defined with the wire types
-from paged.engine.request import Request
+from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
 from paged.plugins import select_platform
@@ -111,9 +111,14 @@ class EngineCore:
                     f"(vocabulary size {self.vocab_size})"
                 )
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)  # ours, not theirs
-        req = Request(request_id, prompt_token_ids, params)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        # n > 1 (or best_of): one sequence each, `sequence_ids`; the prompt is computed once.
+        ids = sequence_ids(request_id, params.num_sequences)
+        if any(i in self.requests for i in ids):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seqs = [Request(i, prompt_token_ids, sample_params(params, k)) for k, i in enumerate(ids)]
+        for req in seqs:
+            self.requests[req.request_id] = req
+        self.scheduler.add(seqs[0], seqs[1:])
         self.stats["prompt_tokens"] += n
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
@@ -135,6 +140,7 @@ class EngineCore:
             "prefix_cache_hits": self.kv.hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.stats["prompt_tokens"],
+            "prompt_tokens_computed": self.scheduler.num_prompt_computed,
             "generation_tokens": self.stats["generation_tokens"],
             "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.num_blocks,
@@ -180,7 +186,8 @@ class EngineCore:
             sampled, logprobs = handle.result()
         except Exception as e:
             self._fatal(e)
-            return self._fail([r for r in batch.reqs if not r.finished], e)
+            forked = [f for _, fs in batch.forks for f in fs]
+            return self._fail([r for r in [*batch.reqs, *forked] if not r.finished], e)
         outs = []
         for req, tok in self.scheduler.resolve(batch, computed, handle.reqs, sampled):
             self.stats["generation_tokens"] += 1
@@ -205,6 +212,7 @@ class EngineCore:
     def _fail(self, reqs: list[Request], e: Exception) -> list[EngineOutput]:
         log.exception("step failed", exc_info=e)
         outs = []
+        reqs = [*reqs, *(f for r in reqs for f in r.followers)]  # sequences not forked yet
         for req in reqs:
             self.scheduler.finish(req, "error")
             self.requests.pop(req.request_id, None)

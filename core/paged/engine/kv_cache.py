@@ -4,6 +4,10 @@ A full block is identified by a hash chain (parent hash, its token ids); a hit i
 checked against the stored token ids, so a hash collision can never serve wrong K/V.
 Freed blocks keep their hash until reused, so a later request with the same prefix
 finds them again; eviction takes the least recently freed block first.
+
+Sequences forked from one prompt (n > 1) share its blocks. A shared block is never written:
+a sequence about to write into one (the prompt's partial last block) gets a fresh block and a
+copy of it (`copies`, run on the device before the step's forward), copy on write.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class KVCacheManager:
         self.cached: dict[int, Block] = {}  # hash -> block holding that full block
         self.req_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self.req_registered: dict[str, int] = {}  # request id -> full blocks already cached
+        self.copies: list[tuple[int, int]] = []  # (source, destination) for the next step
         self.queries = 0  # prefix-cache lookups (tokens) and hits (tokens), for metrics
         self.hits = 0
 
@@ -107,8 +112,15 @@ class KVCacheManager:
         reusable_free = sum(1 for b in cached if b.ref_cnt == 0)
         have = len(req.block_ids) + len(cached)
         need = self.blocks_needed(total_tokens) - have
-        if max(need, 0) + reusable_free > len(self.free):
+        shared = self._shared_write_block(req, total_tokens)
+        if max(need, 0) + reusable_free + (shared is not None) > len(self.free):
             return False
+        if shared is not None:  # copy on write
+            i, blk = shared
+            new = self._take_free()
+            blk.ref_cnt -= 1  # still held by the others: more than one held it
+            req.block_ids[i] = new.block_id
+            self.copies.append((blk.block_id, new.block_id))
         for blk in cached:
             if blk.ref_cnt == 0:
                 del self.free[blk.block_id]
@@ -117,6 +129,25 @@ class KVCacheManager:
         for _ in range(max(need, 0)):
             req.block_ids.append(self._take_free().block_id)
         return True
+
+    def _shared_write_block(self, req: Request, total_tokens: int) -> tuple[int, Block] | None:
+        """(index, block) of the block `req` writes next, when other requests share it."""
+        i = req.num_computed_tokens // self.block_size
+        if req.num_computed_tokens >= total_tokens or i >= len(req.block_ids):
+            return None
+        blk = self.blocks[req.block_ids[i]]
+        return (i, blk) if blk.ref_cnt > 1 else None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` shares every block of `parent` (which holds its computed prompt)."""
+        assert not child.block_ids, "a forked request holds no blocks of its own"
+        for bid in parent.block_ids:
+            self.blocks[bid].ref_cnt += 1
+        child.block_ids = list(parent.block_ids)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def free_request(self, req: Request) -> None:
         # Tail blocks first into the free list: they are the least likely to be shared,

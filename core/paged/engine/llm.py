@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -11,7 +12,8 @@ from tqdm import tqdm
 
 from paged.config import EngineConfig
 from paged.engine.core import EngineCore
-from paged.engine.outputs import OutputState, RequestOutput
+from paged.engine.outputs import CompletionOutput, OutputState, RequestOutput
+from paged.engine.request import sample_params, sequence_ids
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
@@ -118,12 +120,11 @@ class LLM:
                 rid = str(next(self._ids))
                 order.append(rid)
                 results[rid] = RequestOutput(rid, text, ids, [])
-                for i in range(p.n):
-                    child = _child_params(p, i)
-                    cid = f"{rid}-{i}" if p.n > 1 else rid
-                    st = OutputState(i, self.tokenizer, ids, child)
+                p = with_best_of_logprobs(p)
+                self.engine.add_request(rid, ids, p)  # n sequences, one prompt computed
+                for i, cid in enumerate(sequence_ids(rid, p.num_sequences)):
+                    st = OutputState(i, self.tokenizer, ids, sample_params(p, i))
                     results[rid].outputs.append(st.out)
-                    self.engine.add_request(cid, ids, child)
                     states[cid] = (rid, st)
         except Exception:
             self.engine.abort(list(states))  # nothing half-submitted stays in the engine
@@ -147,12 +148,26 @@ class LLM:
         finally:
             bar.close()
             self.engine.abort(list(states))
+        for rid, p in zip(order, params):
+            results[rid].outputs = best_of(results[rid].outputs, p)
         return [results[rid] for rid in order]
 
 
-def _child_params(p: SamplingParams, i: int) -> SamplingParams:
-    if p.n == 1:
-        return p
-    import dataclasses
+def with_best_of_logprobs(p: SamplingParams) -> SamplingParams:
+    """best_of ranks sequences by cumulative logprob: compute the sampled tokens' logprobs."""
+    if p.num_sequences > p.n and p.logprobs is None:
+        return dataclasses.replace(p, logprobs=0)
+    return p
 
-    return dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+
+def best_of(outputs: list[CompletionOutput], p: SamplingParams) -> list[CompletionOutput]:
+    """The n outputs of highest cumulative logprob (all of them without best_of), indexed 0..n-1;
+    logprobs dropped when only best_of asked for them."""
+    if p.num_sequences == p.n:
+        return outputs
+    ranked = sorted(outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: p.n]
+    for i, o in enumerate(ranked):
+        o.index = i
+        if p.logprobs is None:
+            o.logprobs = None
+    return ranked

@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 
 from paged.sampling.params import SamplingParams
+
+
+def sequence_ids(request_id: str, num: int) -> list[str]:
+    """The ids of a request's sequences: its own with one, ``{id}-{i}`` with several."""
+    return [request_id] if num == 1 else [f"{request_id}-{i}" for i in range(num)]
+
+
+def sample_params(p: SamplingParams, i: int) -> SamplingParams:
+    """Sequence i of a request of n > 1 samples: n = 1, seed + i (as n seeded requests)."""
+    if p.num_sequences == 1:
+        return p
+    return dataclasses.replace(p, n=1, best_of=None, seed=None if p.seed is None else p.seed + i)
 
 
 class Status(enum.Enum):
@@ -35,6 +48,12 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.num_preemptions = 0
+        # n > 1: the first sequence computes the prompt; the others wait in its `followers`
+        # (their `leader`) and are forked from it, sharing its blocks, when its prompt is done.
+        self.followers: list[Request] = []
+        self.leader: Request | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

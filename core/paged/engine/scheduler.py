@@ -3,6 +3,10 @@
 Each step: running decodes first, then running prefill chunks, then waiting requests,
 all within the token budget (`max_num_batched_tokens`) and `max_num_seqs`. When blocks run
 out, the newest running request is preempted (its blocks freed, recomputed later).
+
+A request of n > 1 sequences is scheduled as its first sequence (the leader); the step that
+completes its prompt forks the others from it: they share its blocks and sample their first
+token from its logits, so the prompt is computed and stored once.
 """
 
 from __future__ import annotations
@@ -25,10 +29,23 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_computed = 0  # prompt tokens through the forward (prefix hits excluded)
         self.finished_ids: list[str] = []  # ended since the last schedule(): workers forget them
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    def add(self, req: Request, followers: list[Request] = ()) -> None:
+        """Queue `req`; `followers`: the other sequences of its prompt, forked from it. A group
+        larger than max_num_seqs is split into groups that fit, each computing the prompt."""
+        group = [req, *followers]
+        for k in range(0, len(group), self.max_num_seqs):
+            leader, *rest = group[k : k + self.max_num_seqs]
+            leader.followers = rest
+            for f in rest:
+                f.leader = leader
+            self.waiting.append(leader)
+
+    def _seats(self) -> int:
+        """Sequences running, with the followers of running leaders (forked later)."""
+        return len(self.running) + sum(len(r.followers) for r in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,10 +79,11 @@ class Scheduler:
             if n == 1 and r.num_computed_tokens + 1 == r.num_tokens
         )
         # Waiting requests, unless this step already had to preempt.
-        while (
-            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
-        ):
+        seats = self._seats()
+        while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
+            if seats + 1 + len(req.followers) > self.max_num_seqs:
+                break
             cached = self.kv.find_cached(req) if req.num_computed_tokens == 0 else []
             start = len(cached) * self.kv.block_size
             n = min(req.num_tokens - start, budget)
@@ -79,9 +97,16 @@ class Scheduler:
             req.num_computed_tokens = start
             req.status = Status.RUNNING
             self.running.append(req)
+            seats += 1 + len(req.followers)
             batch.reqs.append(req)
             batch.num_new.append(n)
             budget -= n
+        for req, n in zip(batch.reqs, batch.num_new):
+            prompt_left = req.num_prompt_tokens - req.num_computed_tokens
+            self.num_prompt_computed += max(0, min(n, prompt_left))
+            if req.followers and req.num_computed_tokens + n == req.num_tokens:
+                batch.forks.append((req, req.followers))
+        batch.block_copies = self.kv.take_copies()
         return batch
 
     def _preempt(self, req: Request) -> None:
@@ -104,6 +129,17 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
+        for leader, followers in batch.forks:
+            for f in followers:  # the prompt is in the leader's blocks: share them
+                self.kv.fork(leader, f)
+                f.leader = None
+                f.num_computed_tokens = f.num_prompt_tokens
+                f.num_cached_tokens = leader.num_cached_tokens
+                f.token_ids.append(PLACEHOLDER)
+                f.num_pending = 1
+                f.status = Status.RUNNING
+                self.running.append(f)
+            leader.followers = []
         return computed
 
     def resolve(
@@ -153,6 +189,15 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.finished_ids.append(req.request_id)
+        if req.leader is not None:  # a sequence not forked yet
+            req.leader.followers.remove(req)
+            req.leader = None
+        if req.followers:  # ends before its prompt was computed: the next one leads
+            nxt, *rest = req.followers
+            req.followers, nxt.leader, nxt.followers = [], None, rest
+            for f in rest:
+                f.leader = nxt
+            self.waiting.appendleft(nxt)
         if req.num_pending:  # tokens of steps still in flight: no longer wanted
             del req.token_ids[req.num_tokens - req.num_pending :]
             req.num_pending = 0

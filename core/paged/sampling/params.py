@@ -83,6 +83,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # these words' token sequences are never completed
+    best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -133,6 +134,8 @@ class SamplingParams:
             bad("min_tokens", "must not exceed max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        if self.best_of is not None and self.best_of < self.n:
+            bad("best_of", f"must be at least n ({self.n})")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if self.structured_outputs is not None and not isinstance(
@@ -147,6 +150,11 @@ class SamplingParams:
             not isinstance(w, str) or not w for w in self.bad_words
         ):
             bad("bad_words", "must be a list of non-empty strings")
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

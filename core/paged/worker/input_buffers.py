@@ -14,7 +14,7 @@ import torch
 from paged.model.attention import AttentionMetadata
 from paged.scheduled import ScheduledBatch
 
-HEADER = 8  # ints describing a packed step: see InputBuffers.pack_host
+HEADER = 9  # ints describing a packed step: see InputBuffers.pack_host
 
 
 class InputBuffers:
@@ -30,10 +30,11 @@ class InputBuffers:
         self.block_size = block_size
         self.device = device
         # int64: token ids | positions | slots | logits rows | placeholder fills (index, row)
+        #        | block copies (sources, destinations: at most one per request)
         # int32: qsl | seq_lens | table
         self.sets = [
             (
-                torch.zeros(4 * max_tokens + 2 * max_reqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(4 * max_tokens + 4 * max_reqs, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(
                     2 * max_reqs + 1 + max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
                 ),
@@ -42,6 +43,7 @@ class InputBuffers:
         ]
         self.copied: list = [None, None]  # per set: an event after its last copies, or None
         self.turn = 0
+        self.block_copies: torch.Tensor | None = None  # the loaded step's [2, n] on the device
 
     def pack(
         self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
@@ -95,23 +97,28 @@ class InputBuffers:
         n64[3 * t : 3 * t + nl] = last
         if fills:
             n64[3 * t + nl : 3 * t + nl + 2 * len(fills)] = np.asarray(fills).T.ravel()
+        copies, at = batch.block_copies, 3 * t + nl + 2 * len(fills)
+        if copies:
+            n64[at : at + 2 * len(copies)] = np.asarray(copies).T.ravel()
         n32 = self.i32.numpy()
         n32[0] = 0
         n32[1 : b + 1] = ends
         n32[b + 1 : 2 * b + 1] = seq
         n32[2 * b + 1 : 2 * b + 1 + b * width] = table.ravel()
-        return [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
+        head = [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
+        return [*head, len(copies)]
 
     def views(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The used part of the current host buffers (int64, int32) for a step's header."""
         b, t, width, nl, nfill = header[:5]
-        return self.i64[: 3 * t + nl + 2 * nfill], self.i32[: 2 * b + 1 + b * width]
+        ncopy = header[8]
+        return self.i64[: 3 * t + nl + 2 * nfill + 2 * ncopy], self.i32[: 2 * b + 1 + b * width]
 
     def load(
         self, header: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor | None]:
         """Copy the current host buffers to the device; the step's tensors as `pack` returns."""
-        b, t, width, nl, nfill, num_decodes, max_query_len, max_seq_len = header
+        b, t, width, nl, nfill, num_decodes, max_query_len, max_seq_len, ncopy = header
         h64, h32 = self.views(header)
         ends = h32[1 : b + 1].numpy()
         d64, d32 = self.to_device(h64), self.to_device(h32)
@@ -129,7 +136,9 @@ class InputBuffers:
             query_lens_cpu=np.diff(ends, prepend=0).tolist(),
             seq_lens_cpu=h32[b + 1 : 2 * b + 1].tolist(),
         )
-        fill = d64[3 * t + nl :].view(2, -1) if nfill else None
+        at = 3 * t + nl + 2 * nfill
+        fill = d64[3 * t + nl : at].view(2, -1) if nfill else None
+        self.block_copies = d64[at:].view(2, -1) if ncopy else None
         return d64[:t], d64[t : 2 * t], meta, d64[3 * t : 3 * t + nl], fill
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

@@ -166,11 +166,15 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
         if fill is not None:
             input_ids[fill[0]] = prev.tokens[fill[1]]
+        if self.inputs.block_copies is not None:
+            self.step_runner.copy_blocks(self.inputs.block_copies)
         hidden = self.forward(input_ids, positions, meta, logits_idx)
         reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
         if not reqs:
             return StepHandle(reqs, None, [], None)
         logits = self.model.compute_logits(hidden)
+        if batch.forks:  # forked sequences sample from their leader's row
+            logits, reqs = fork_rows(logits, reqs, batch.forks)
         want = [r.params.logprobs for r in reqs]
         k = max((w or 0 for w in want), default=0)
         sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
@@ -195,6 +199,8 @@ class ModelRunner:
         """A rank other than the driver: run the step whose inputs just arrived in the current
         host buffers (its part of the forward, and of the logits' gather)."""
         input_ids, positions, meta, logits_idx, _ = self.inputs.load(header)
+        if self.inputs.block_copies is not None:
+            self.step_runner.copy_blocks(self.inputs.block_copies)
         hidden = self.forward(input_ids, positions, meta, logits_idx)
         if hidden is not None:
             self.model.compute_logits(hidden)
@@ -234,6 +240,15 @@ class ModelRunner:
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
         return host.copy_(t, non_blocking=True)
+
+
+def fork_rows(logits: torch.Tensor, reqs: list, forks: list) -> tuple[torch.Tensor, list]:
+    """Logits and requests with a copy of each leader's row for every sequence forked from it,
+    after the batch's own rows."""
+    row = {id(r): i for i, r in enumerate(reqs)}
+    idx = [row[id(lead)] for lead, seqs in forks for _ in seqs]
+    extra = logits[torch.tensor(idx, device=logits.device)]
+    return torch.cat([logits, extra]), [*reqs, *(s for _, seqs in forks for s in seqs)]
 
 
 class ProfileRequest:

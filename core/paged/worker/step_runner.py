@@ -14,6 +14,23 @@ if TYPE_CHECKING:
     from paged.platform import Platform
 
 
+def block_dim(backend) -> int:
+    """The dimension of the backend's KV cache that indexes blocks."""
+    one, two = backend.kv_cache_shape(1), backend.kv_cache_shape(2)
+    return next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+
+
+@torch.inference_mode()
+def copy_kv_blocks(model: torch.nn.Module, backend, copies: torch.Tensor) -> None:
+    """Copy blocks copies[0] -> copies[1] in the caches of `model`'s layers (any backend's
+    layout: the block dimension is found from its kv_cache_shape)."""
+    dim, src, dst = block_dim(backend), copies[0], copies[1]
+    for layer in model.layers:
+        cache = layer.self_attn.kv_cache
+        if cache is not None:
+            cache.index_copy_(dim, dst, cache.index_select(dim, src))
+
+
 class StepRunner:
     def __init__(
         self, model: torch.nn.Module, config: EngineConfig, platform: Platform, backend
@@ -22,6 +39,11 @@ class StepRunner:
         self.config = config
         self.platform = platform
         self.backend = backend
+
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """copies [2, n] on the device: copy KV blocks (sources, destinations) in every layer's
+        cache, before the step's forward (copy on write of blocks sequences shared)."""
+        copy_kv_blocks(self.model, self.backend, copies)
 
     def capture(self) -> None:
         """Compile or capture ahead of serving (no-op when eager)."""

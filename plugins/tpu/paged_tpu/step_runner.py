@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from paged.model.attention import AttentionMetadata
-from paged.worker.step_runner import StepRunner
+from paged.worker.step_runner import StepRunner, copy_kv_blocks
 from paged_tpu.attention import unpack
 from paged_tpu.buckets import Buckets, Layout, dummy_step, pack_step, pad_to
 
@@ -77,6 +77,12 @@ class XlaStepRunner(StepRunner):
             host.self_attn.kv_cache = None
             cache.set_()  # the runner's list still holds it: release the storage
         self.kv_bound = True
+
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """Copy-on-write of shared KV blocks, in the device model's caches."""
+        if not self.kv_bound:
+            self.bind_kv_caches()
+        copy_kv_blocks(self.xla_model, self.backend, copies.to(self.device))
 
     def capture(self) -> None:
         """Compile the forward for every token bucket and the tail for every request bucket."""

@@ -1,0 +1,104 @@
+"""vLLM's sampling semantics offline: n samples forked from one prompt computation, best_of."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged import LLM, SamplingParams
+
+PROMPT = list(range(3, 21))  # 18 tokens: four full blocks of 4 and a partial one
+SAMPLE = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+
+def _llm(path: str, **kw) -> LLM:
+    kw = {"num_kv_blocks": 128, "block_size": 4, "enable_prefix_caching": False} | kw
+    return LLM(path, dtype="float32", **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return _llm(tiny_models["llama"])
+
+
+def _computed(llm: LLM) -> int:
+    return llm.engine.metrics()["prompt_tokens_computed"]
+
+
+def _singles(llm: LLM, n: int, seed: int) -> list[list[int]]:
+    params = [SamplingParams(**SAMPLE, seed=seed + i) for i in range(n)]
+    return [o.outputs[0].token_ids for o in llm.generate([PROMPT] * n, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_n_samples_compute_the_prompt_once_and_equal_seeded_singles(tiny_models, overlap):
+    llm = _llm(tiny_models["llama"], async_scheduling=overlap)
+    before = _computed(llm)
+    out = llm.generate(PROMPT, SamplingParams(n=4, seed=7, **SAMPLE), use_tqdm=False)[0]
+    assert _computed(llm) - before == len(PROMPT)  # not 4x: the samples share its blocks
+    assert llm.engine.metrics()["prompt_tokens"] == len(PROMPT)
+    samples = [o.token_ids for o in out.outputs]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(s) for s in samples}) > 1
+    before = _computed(llm)
+    assert samples == _singles(llm, 4, 7)
+    assert _computed(llm) - before == 4 * len(PROMPT)
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
+def test_forked_samples_survive_preemption_and_greedy_stays_greedy(tiny_models):
+    ref = _llm(tiny_models["llama"])
+    want = _singles(ref, 3, 11)
+    greedy = ref.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    # 9 blocks: the prompt's 5 and the samples' growth do not fit, so some are preempted.
+    small = _llm(tiny_models["llama"], num_kv_blocks=9, max_model_len=32)
+    out = small.generate(PROMPT, SamplingParams(n=3, seed=11, **SAMPLE), use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == want
+    assert small.engine.scheduler.num_preemptions > 0
+    g = small.generate(PROMPT, SamplingParams(n=2, temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.token_ids for o in g[0].outputs] == [greedy[0].outputs[0].token_ids] * 2
+    small.engine.kv.check_invariants()
+    assert small.engine.kv.num_free_blocks == small.engine.num_blocks
+
+
+def test_aborted_leader_hands_the_prompt_to_the_next_sample(llm):
+    eng = llm.engine
+    eng.add_request("r", PROMPT, SamplingParams(n=3, seed=3, **SAMPLE))
+    eng.abort(["r-0"])  # before its prompt ran: r-1 computes it, r-2 is forked from it
+    got: dict[str, list[int]] = {"r-1": [], "r-2": []}
+    while eng.has_unfinished():
+        for eo in eng.step():
+            got[eo.request_id] += eo.new_token_ids
+    assert [got["r-1"], got["r-2"]] == _singles(llm, 3, 3)[1:]
+    eng.kv.check_invariants()
+    assert eng.kv.num_free_blocks == eng.num_blocks
+
+
+def test_more_samples_than_seats_run_in_groups(tiny_models):
+    llm = _llm(tiny_models["llama"], max_num_seqs=2)
+    out = llm.generate(PROMPT, SamplingParams(n=5, seed=1, **SAMPLE), use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == _singles(llm, 5, 1)
+    llm.engine.kv.check_invariants()
+
+
+def test_best_of_keeps_the_n_most_likely(llm):
+    p = SamplingParams(n=2, best_of=5, seed=4, **SAMPLE)
+    out = llm.generate(PROMPT, p, use_tqdm=False)[0]
+    every = llm.generate(PROMPT, SamplingParams(n=5, seed=4, logprobs=0, **SAMPLE), use_tqdm=False)[
+        0
+    ].outputs
+    best = sorted(every, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in best]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert all(o.logprobs is None for o in out.outputs)  # not asked for
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)
+
+
+def test_forked_blocks_are_copied_on_every_rank(tiny_models):
+    llm = _llm(tiny_models["llama"], tensor_parallel_size=2)
+    try:
+        out = llm.generate(PROMPT, SamplingParams(n=3, seed=2, **SAMPLE), use_tqdm=False)[0]
+        assert [o.token_ids for o in out.outputs] == _singles(llm, 3, 2)
+    finally:
+        llm.engine.shutdown()
