@@ -1,4 +1,6 @@
-"""``paged fleet status URL``: a running server's replicas (GET /fleet) as a table."""
+"""``paged fleet status URL``: a running server's replicas (GET /fleet) as a table.
+``paged fleet ray-resources``: the Ray custom resources of this node's platforms, for
+``ray start --resources`` (paged.engine.ray_replicas)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="API key (default: PAGED_API_KEY)")
     s.add_argument("--json", action="store_true", help="print the JSON as it came")
     s.set_defaults(func=status)
+    r = fsub.add_parser(
+        "ray-resources",
+        help="this node's platforms as Ray custom resources: "
+        'ray start --resources "$(paged fleet ray-resources)"',
+    )
+    r.set_defaults(func=ray_resources)
     p.set_defaults(func=lambda _: p.print_help() or 2)
 
 
@@ -62,3 +70,14 @@ def status(args: argparse.Namespace) -> int:
     view = r.json()
     print(json.dumps(view, indent=2) if args.json else table(view))
     return 0 if all(x["health"] == "ready" for x in view["replicas"]) else 1
+
+
+def ray_resources(args: argparse.Namespace) -> int:
+    """Print {"paged_platform_<name>": 1, ...} for the platforms available here; 1 if none."""
+    from paged.engine.ray_replicas import node_resources
+
+    res = node_resources()
+    print(json.dumps(res))
+    if not res:
+        print("error: no platform is available on this node (paged platforms)", file=sys.stderr)
+    return 0 if res else 1

@@ -70,17 +70,19 @@ def _core_main(
     addr_in: str,
     addr_out: str,
     log_level: str,
-    parent: int,
+    parent: int | None,
     faults: Faults | None = None,
     placement: Any = None,
 ) -> None:
     """placement: None, or an object whose apply() runs first (a replica's share of the
-    host: paged.engine.replicas.Placement)."""
+    host: paged.engine.replicas.Placement). parent: the server's pid, or None in a Ray actor
+    (which Ray ends with its owner, the server: paged.engine.ray_replicas)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
-    # The server's to handle: it drains, then stops us.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent)
+    if parent is not None:
+        # The server's to handle: it drains, then stops us.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        _die_with_parent(parent)
     if placement is not None:
         placement.apply()
     ctx = zmq.Context()
@@ -145,14 +147,14 @@ def _heartbeat(ctx: zmq.Context, addr_out: str, stop: threading.Event) -> None:
 
 
 def _core_loop(
-    core: Any, pull: zmq.Socket, send: Callable[[m.FromEngine], None], parent: int
+    core: Any, pull: zmq.Socket, send: Callable[[m.FromEngine], None], parent: int | None
 ) -> None:
     from paged.engine.request import Status
 
     decode = m.to_engine_decoder().decode
     arrivals: dict[str, float] = {}  # requests not yet scheduled -> arrival time
     while True:
-        if os.getppid() != parent:  # the server is gone: nobody reads what we compute
+        if parent is not None and os.getppid() != parent:  # the server is gone: no reader
             log.error("the server process is gone; the engine core exits")
             return
         rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
@@ -228,6 +230,7 @@ class AsyncEngine:
         self._children: dict[str, list[str]] = {}
         self._settled = asyncio.Event()  # ready (core and tokenizer) or dead
         self._proc: Any = None
+        self._dir = ""  # of the ipc sockets
         self._closing = False
         self.last_heard = time.monotonic()  # the core's last message (output or heartbeat)
         # Outstanding work, from what was sent and what came back: prompt tokens not yet
@@ -238,25 +241,35 @@ class AsyncEngine:
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="paged-")
-        addr_in, addr_out = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
         self._ctxs = (zmq.Context(), zmq.asyncio.Context())
         for ctx in self._ctxs:  # unbounded queues: a send never blocks the event loop
             ctx.setsockopt(zmq.SNDHWM, 0)
             ctx.setsockopt(zmq.RCVHWM, 0)
         self._push, self._pull = self._ctxs[0].socket(zmq.PUSH), self._ctxs[1].socket(zmq.PULL)
-        self._push.bind(addr_in)
-        self._pull.bind(addr_out)
+        addr_in, addr_out = self._bind()
         args = (self.config, addr_in, addr_out, self.log_level, os.getpid(), self.faults)
         args += (self.placement,)
-        mp = multiprocessing.get_context("spawn")
-        # Not a daemon: it starts worker processes of its own (tensor/pipeline parallel).
-        self._proc = mp.Process(target=_core_main, args=args, name=self.name, daemon=False)
+        self._proc = self._process(args)
         self._proc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._proc.sentinel, self._on_exit)
         self._reader = loop.create_task(self._read_loop())
         self._tok_task = loop.create_task(self._tokenizer())
+
+    def _bind(self) -> tuple[str, str]:
+        """Bind the sockets to the core (in) and from it (out); their addresses."""
+        self._dir = tempfile.mkdtemp(prefix="paged-")
+        addr_in, addr_out = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
+        self._push.bind(addr_in)
+        self._pull.bind(addr_out)
+        return addr_in, addr_out
+
+    def _process(self, args: tuple) -> Any:
+        """The core's process, not started: here a local one; anything with the start,
+        sentinel, is_alive, join, kill and exitcode of multiprocessing.Process will do."""
+        mp = multiprocessing.get_context("spawn")
+        # Not a daemon: it starts worker processes of its own (tensor/pipeline parallel).
+        return mp.Process(target=_core_main, args=args, name=self.name, daemon=False)
 
     async def _tokenizer(self) -> None:
         try:
@@ -295,7 +308,8 @@ class AsyncEngine:
         self._tok_task.cancel()
         for ctx in self._ctxs:
             ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _on_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)

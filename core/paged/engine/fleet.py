@@ -39,6 +39,7 @@ class Group(BaseModel):
     platform: str = Field(min_length=1)
     count: int = Field(default=1, ge=1)
     args: dict[str, Any] = Field(default_factory=dict)
+    num_cpus: int = Field(default=1, ge=1)  # with Ray: CPUs (threads) each replica reserves
 
 
 class Fleet(BaseModel):
@@ -224,17 +225,35 @@ def build_fleet(
     faults: Any = None,
     router: str = "prefix",
     name: str = "<fleet>",
+    ray_address: str | None = None,
 ) -> Any:
     """The fleet's ReplicaSet (not started): replicas in file order, each on this host's
     next share of the cores (replicas.placements over all of them) and, for device platforms,
-    its next world_size devices."""
-    from paged.engine.async_engine import AsyncEngine
-    from paged.engine.replicas import DEVICE_VARS, Replica, ReplicaSet, _load_once, placements
+    its next world_size devices; with ray_address, each in a Ray actor on a node that
+    advertises its platform (paged.engine.ray_replicas). FleetError when the Ray cluster
+    cannot be reached or no node has a group's platform."""
+    from paged.engine.replicas import _load_once
 
     configs = group_configs(fleet, base, name)
+    load = _load_once(tokenizer_loader)
+    if ray_address:
+        return _ray_fleet(fleet, configs, log_level, load, faults, router, name, ray_address)
+    return _local_fleet(base, configs, log_level, load, faults, router)
+
+
+def _local_fleet(
+    base: EngineConfig,
+    configs: list[EngineConfig],
+    log_level: str,
+    load: Any,
+    faults: Any,
+    router: str,
+) -> Any:
+    from paged.engine.async_engine import AsyncEngine
+    from paged.engine.replicas import DEVICE_VARS, Replica, ReplicaSet, placements
+
     shares = placements(base, len(configs))
     used = 0  # devices handed out so far, in order of the visible ones
-    load = _load_once(tokenizer_loader)
     replicas = []
     for p, cfg in zip(shares, configs):
         for var in DEVICE_VARS:
@@ -255,4 +274,38 @@ def build_fleet(
         replicas.append(Replica(p.index, factory(), p, factory))
     desc = ". ".join(f"{p.describe()} [{c.platform}]" for p, c in zip(shares, configs))
     log.info("fleet: %d replicas, router %s (%s)", len(configs), router, desc)
+    return ReplicaSet(replicas, same_platform=False, router=router)
+
+
+def _ray_fleet(
+    fleet: Fleet,
+    configs: list[EngineConfig],
+    log_level: str,
+    load: Any,
+    faults: Any,
+    router: str,
+    name: str,
+    address: str,
+) -> Any:
+    from paged.engine import ray_replicas as rr
+    from paged.engine.replicas import Placement, Replica, ReplicaSet
+
+    try:
+        rr.connect(address)
+        rr.check_platforms([c.platform or "" for c in configs])
+    except (RuntimeError, ConnectionError) as e:
+        raise FleetError(f"{name}: Ray at {address}: {e}") from None
+    groups = [g for g in fleet.replicas for _ in range(g.count)]
+    replicas = []
+    for i, (cfg, g) in enumerate(zip(configs, groups)):
+        p = Placement(i, None, g.num_cpus, {"OMP_NUM_THREADS": str(g.num_cpus)})
+        opts = rr.actor_options(cfg.platform or "", cfg.world_size, g.num_cpus)
+
+        def factory(cfg: EngineConfig = cfg, p: Placement = p, opts: dict = opts) -> Any:
+            return rr.RayEngine(cfg, log_level, load, faults, placement=p,
+                                name=f"paged-core-{p.index}", options=opts)  # fmt: skip
+
+        replicas.append(Replica(i, factory(), p, factory))
+    desc = ", ".join(f"{g.count} x {g.platform} ({g.num_cpus} CPUs each)" for g in fleet.replicas)
+    log.info("fleet on Ray at %s: %s, router %s", address, desc, router)
     return ReplicaSet(replicas, same_platform=False, router=router)

@@ -634,6 +634,7 @@ def fleet_view(engine: AsyncEngine | ReplicaSet) -> dict[str, Any]:
                 "index": r.index,
                 "platform": i.get("platform"),
                 "node": r.node,
+                "node_id": getattr(r.engine, "node_id", None),
                 "pid": i.get("pid"),
                 "health": r.health,
                 "restarts": r.restarts,

@@ -34,6 +34,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "the flags here apply to every replica unless the file says otherwise",
     )
     g.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --fleet: place each replica as a Ray actor on a node of this cluster that "
+        "advertises its platform (an address, or auto; also RAY_ADDRESS; docs/fleet.md)",
+    )
+    g.add_argument(
         "--router",
         choices=["prefix", "least-load", "round-robin"],
         default="prefix",
@@ -239,9 +245,15 @@ async def _serve(
     name = config.served_model_name or name
     router = getattr(args, "router", "prefix")
     if fleet is not None:  # replica groups by platform (paged.engine.fleet)
-        from paged.engine.fleet import build_fleet
+        from paged.engine.fleet import FleetError, build_fleet
 
-        engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router, args.fleet)
+        ray_address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+        try:
+            engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router,
+                                 args.fleet, ray_address)  # fmt: skip
+        except FleetError as e:
+            log.error("cannot start the fleet: %s", e)
+            return 1
     else:  # data_parallel_size of them
         engine = make_engine(config, args.log_level, load_tok, faults, router)
     if hasattr(engine, "wedge_timeout"):  # replicas: one silent this long is restarted
