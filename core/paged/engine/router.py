@@ -2,13 +2,24 @@
 
 A policy picks one replica for a request among those that can hold it (max_model_len at least
 the prompt plus max_tokens). What it reads of a replica (replicas.Replica): `load` (outstanding
-tokens), `speed` and `prefill_speed` (tokens/s EWMAs learnt from the outputs it returned) and
-`prefix` (a PrefixIndex: the chained hashes of the full blocks of the prompts it was sent).
+tokens), `speed` and `prefill_speed` (tokens/s EWMAs learnt from the outputs it returned),
+`prefix` (a PrefixIndex: the chained hashes of the full blocks of the prompts it was sent) and
+`stats` (the engine's counters: prefix-cache queries and hits, in prompt tokens).
 
 - least-load: the least outstanding work; ties take turns.
 - round-robin: turns, whatever the load.
 - prefix (default): the shortest expected wait, load / speed, minus the prefill time its
-  cached prefix saves, hit blocks x block size / prefill speed; ties take turns.
+  cached prefix saves, hit blocks x block size / the replica's uncached prefill speed; ties
+  take turns.
+
+Both speeds count every prompt token, cached or not, as does `load`. The wait is consistent
+(nominal tokens over nominal tokens/s), but a cached block saves the time of computing it, at
+the speed of the tokens a replica computes itself: its nominal prefill speed times the share
+of prompt tokens it did not find cached (1 - its own prefix-cache hit rate, from the engine's
+counters). Without that, the more a replica's prompts hit, the faster it seems to prefill
+and the less its cached blocks weigh: affinity undoes itself. Until a replica's throughput
+is measured, its prefill speed stands in for it (a lower bound: time to first token
+includes the wait behind others); a constant would not be in the same units as the other.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ from typing import Any
 
 POLICIES = ("prefix", "least-load", "round-robin")
 DEFAULT_SPEED = 1000.0  # tokens/s assumed until a replica has been measured
+MIN_UNCACHED = 0.05  # floor of a replica's uncached share, so that one whose prompts nearly
+# all hit its cache does not value a cached block without bound
 BLOCK = 16  # tokens per hashed prefix block when a replica does not say
 
 
@@ -65,6 +78,15 @@ def fits(replica: Any, prompt_len: int, max_tokens: int | None) -> bool:
     return limit is None or prompt_len + (max_tokens or 1) <= limit
 
 
+def uncached_share(replica: Any) -> float:
+    """The share of the prompt tokens the replica looked up that it computed itself."""
+    stats = replica.stats or {}
+    queries = stats.get("prefix_cache_queries", 0)
+    if not queries:
+        return 1.0
+    return max(1.0 - stats.get("prefix_cache_hits", 0) / queries, MIN_UNCACHED)
+
+
 class Router:
     """One policy; `pick` is called once per request with the candidates in index order."""
 
@@ -81,9 +103,10 @@ class Router:
 
     def score(self, replica: Any, hashes: Sequence[int]) -> float:
         """prefix: expected seconds until the request is served on this replica."""
-        wait = replica.load / (replica.speed or DEFAULT_SPEED)
+        prefill = replica.prefill_speed or DEFAULT_SPEED
+        wait = replica.load / (replica.speed or prefill)
         hit = replica.prefix.hits(hashes) if hashes else 0
-        return wait - hit * BLOCK / (replica.prefill_speed or DEFAULT_SPEED)
+        return wait - hit * BLOCK / (prefill * uncached_share(replica)) if hit else wait
 
     def pick(self, replicas: Sequence[Any], prompt_ids: Sequence[int], max_tokens: int | None):
         """The replica for this request. Those too small for it are never picked, unless none
