@@ -429,6 +429,7 @@ class ReplicaSet:
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         self._closing = True
+        self._notify()  # requests waiting for a replica give up
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -577,8 +578,8 @@ class ReplicaSet:
         """The router's pick among the serving replicas, waiting while none serves (they are
         restarting); EngineDeadError once the set is dead."""
         while True:
-            if self.dead is not None:
-                raise EngineDeadError(self.dead)
+            if self.dead is not None or self._closing:
+                raise EngineDeadError(self.dead or "the server is shutting down")
             if any(r.ready for r in self.replicas):
                 return self.route(prompt_ids, params)
             if self._changed is None:
