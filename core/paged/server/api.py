@@ -155,6 +155,9 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
             log.error("invalid fleet file: %s", e)
             return 2
         config.model = fleet.model or config.model
+    elif getattr(args, "ray_address", None):
+        log.error("--ray-address places the replicas of a --fleet file (docs/fleet.md)")
+        return 2
     try:
         parsing_options(args)
     except ValueError as e:
