@@ -129,9 +129,10 @@ def test_logprobs_match_a_full_forward(smollm):
     for tok, entry in zip(out.token_ids, out.logprobs, strict=True):
         assert next(iter(entry)) == tok  # the sampled token comes first
         assert len(entry) >= 3
-        assert max(entry.values()) == entry[tok]  # greedy: the sampled token is the top one
-        assert all(v <= 0 for v in entry.values())
-    assert (
-        abs(out.cumulative_logprob - sum(e[t] for e, t in zip(out.logprobs, out.token_ids))) < 1e-6
-    )
+        values = {t: lp.logprob for t, lp in entry.items()}
+        assert max(values.values()) == values[tok]  # greedy: the sampled token is the top one
+        assert entry[tok].rank == 1 and entry[tok].decoded_token
+        assert all(v <= 0 for v in values.values())
+    total = sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids))
+    assert abs(out.cumulative_logprob - total) < 1e-6
     assert torch.isfinite(torch.tensor(out.cumulative_logprob))

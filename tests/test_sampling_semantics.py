@@ -102,3 +102,33 @@ def test_forked_blocks_are_copied_on_every_rank(tiny_models):
         assert [o.token_ids for o in out.outputs] == _singles(llm, 3, 2)
     finally:
         llm.engine.shutdown()
+
+
+def test_prompt_logprobs_match_hf_forward_across_chunks(tiny_models):
+    import torch
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0].log_softmax(-1)  # row j: token j + 1
+    # 8-token steps: the 18-token prompt's rows come from three chunks; the prefix cache is on
+    # but prompt_logprobs computes every row (a cached prefix has no logits).
+    llm = _llm(tiny_models["llama"], max_num_batched_tokens=8, enable_prefix_caching=True)
+    llm.generate(PROMPT, SamplingParams(max_tokens=2), use_tqdm=False)  # cache the prefix
+    p = SamplingParams(n=2, temperature=0, max_tokens=3, prompt_logprobs=3, logprobs=2)
+    out = llm.generate(PROMPT, p, use_tqdm=False)[0]
+    lps = out.prompt_logprobs
+    assert len(lps) == len(PROMPT) and lps[0] is None
+    for j, (tok, entry) in enumerate(zip(PROMPT[1:], lps[1:])):
+        row = want[j]
+        assert abs(entry[tok].logprob - row[tok].item()) < 1e-4
+        assert entry[tok].rank == int((row > row[tok]).sum()) + 1
+        top = row.topk(3)
+        for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert abs(entry[t].logprob - v) < 1e-4 and entry[t].rank == r
+    first = out.outputs[0].logprobs[0]
+    tok = out.outputs[0].token_ids[0]
+    assert abs(first[tok].logprob - want[-1].max().item()) < 1e-4 and first[tok].rank == 1
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    llm.engine.kv.check_invariants()

@@ -65,7 +65,7 @@ def assert_same(got: list, ref: list) -> None:
         if g.token_ids == r.token_ids:
             continue
         i = next(i for i, (a, b) in enumerate(zip(g.token_ids, r.token_ids)) if a != b)
-        top = sorted(r.logprobs[i].values(), reverse=True)[:2]
+        top = sorted((v.logprob for v in r.logprobs[i].values()), reverse=True)[:2]
         gap = top[0] - top[1]
         print(f"divergence at token {i}: top-2 logprob gap {gap:.2e}")
         assert gap < 1e-3, f"diverged at token {i} with a top-2 gap of {gap:.3f}"

@@ -184,6 +184,9 @@ class EngineCore:
         batch, handle, computed = launched
         try:
             sampled, logprobs = handle.result()
+            for rid, (first, entries, ranks) in handle.prompt_logprobs().items():
+                if rid in self.requests:
+                    self.requests[rid].add_prompt_logprobs(first, entries, ranks)
         except Exception as e:
             self._fatal(e)
             forked = [f for _, fs in batch.forks for f in fs]
@@ -196,6 +199,10 @@ class EngineCore:
             out = self._output(req, [tok])
             if req.request_id in logprobs:
                 out.logprobs = [logprobs[req.request_id]]
+                out.ranks = [handle.ranks[req.request_id]]
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out.prompt_logprobs, out.prompt_ranks = req.prompt_logprobs, req.prompt_ranks
+                req.prompt_logprobs_sent = True
             outs.append(out)
         return outs
 

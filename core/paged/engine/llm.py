@@ -12,8 +12,14 @@ from tqdm import tqdm
 
 from paged.config import EngineConfig
 from paged.engine.core import EngineCore
-from paged.engine.outputs import CompletionOutput, OutputState, RequestOutput
-from paged.engine.request import sample_params, sequence_ids
+from paged.engine.outputs import (
+    CompletionOutput,
+    OutputState,
+    RequestMetrics,
+    RequestOutput,
+    to_logprobs,
+)
+from paged.engine.request import Request, sample_params, sequence_ids
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
@@ -114,6 +120,7 @@ class LLM:
             raise ValueError("sampling_params: one per prompt, or a single one for all")
         results: dict[str, RequestOutput] = {}
         states: dict[str, tuple[str, OutputState]] = {}
+        seqs: dict[str, Request] = {}  # the engine's, for their timings
         order = []
         try:
             for (text, ids), p in zip(prompts, params):
@@ -126,6 +133,7 @@ class LLM:
                     st = OutputState(i, self.tokenizer, ids, sample_params(p, i))
                     results[rid].outputs.append(st.out)
                     states[cid] = (rid, st)
+                    seqs[cid] = self.engine.requests[cid]
         except Exception:
             self.engine.abort(list(states))  # nothing half-submitted stays in the engine
             raise
@@ -148,9 +156,43 @@ class LLM:
         finally:
             bar.close()
             self.engine.abort(list(states))
+        by_rid: dict[str, list[tuple[OutputState, Request]]] = {}
+        for cid, (rid, st) in states.items():
+            by_rid.setdefault(rid, []).append((st, seqs[cid]))
         for rid, p in zip(order, params):
+            self._finalize(results[rid], by_rid[rid])
             results[rid].outputs = best_of(results[rid].outputs, p)
         return [results[rid] for rid in order]
+
+    def _finalize(self, res: RequestOutput, seqs: list[tuple[OutputState, Request]]) -> None:
+        """vLLM's Logprob values, prompt_logprobs and the request's timings."""
+        tok = self.tokenizer
+        for st, _ in seqs:
+            if st.out.logprobs is not None:
+                st.out.logprobs = to_logprobs(st.out.logprobs, st.ranks, st.out.token_ids, tok)
+        done = [st for st, _ in seqs if st.prompt_logprobs is not None]
+        if done and len(done[0].prompt_logprobs) == len(res.prompt_token_ids) - 1:
+            st = done[0]
+            ids = res.prompt_token_ids[1:]
+            res.prompt_logprobs = [
+                None,
+                *to_logprobs(st.prompt_logprobs, st.prompt_ranks, ids, tok),
+            ]
+        reqs = [r for _, r in seqs]
+
+        def first(name: str) -> float | None:
+            return min((getattr(r, name) for r in reqs if getattr(r, name)), default=None)
+
+        scheduled, ended = first("first_scheduled_time"), [r.finished_time for r in reqs]
+        arrival = first("arrival_time")
+        res.metrics = RequestMetrics(
+            arrival_time=arrival,
+            last_token_time=max((t for t in ended if t), default=None),
+            first_scheduled_time=scheduled,
+            first_token_time=first("first_token_time"),
+            time_in_queue=None if scheduled is None else scheduled - arrival,
+            finished_time=max((t for t in ended if t), default=None),
+        )
 
 
 def with_best_of_logprobs(p: SamplingParams) -> SamplingParams:

@@ -33,6 +33,11 @@ class EngineOutput(msgspec.Struct, **_WIRE):
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # one {token: logprob} per new token
+    ranks: list[int] | None = None  # with logprobs: each new token's rank (1: the most likely)
+    # prompt_logprobs, with the first token: {token: logprob} (the prompt's token and the top-k)
+    # and the prompt token's rank, for prompt tokens 1.. (token 0 has none)
+    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_ranks: list[int] | None = None
 
 
 class EngineInfo(msgspec.Struct, **_WIRE):

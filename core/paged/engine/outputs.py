@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from paged.engine.core import EngineOutput
 from paged.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from paged.sampling.params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """vLLM's shape of one token's logprob: value, rank in the distribution (1: the most
+    likely), and the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """vLLM's request timings (time.time() seconds)."""
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass
@@ -17,7 +39,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list | None = None  # per token {token id: logprob} (offline: Logprob values)
 
 
 @dataclass
@@ -28,7 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputState:
@@ -44,12 +67,18 @@ class OutputState:
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
         self.emitted = 0  # characters already streamed
         self.finished = False
+        self.ranks: list[int] = []  # with logprobs: each token's rank
+        self.prompt_logprobs: list[dict[int, float]] | None = None  # of prompt tokens 1..
+        self.prompt_ranks: list[int] = []
 
     def update(self, eo: EngineOutput) -> bool:
         """Apply an engine output; True when a stop string ended the sequence here."""
         out = self.out
         out.token_ids.extend(eo.new_token_ids)
+        if eo.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = eo.prompt_logprobs, eo.prompt_ranks or []
         if eo.logprobs:
+            self.ranks += eo.ranks or []
             out.logprobs = (out.logprobs or []) + eo.logprobs
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + sum(
                 lp[t] for lp, t in zip(eo.logprobs, eo.new_token_ids)
@@ -77,3 +106,22 @@ class OutputState:
         delta = self.out.text[self.emitted : end]
         self.emitted = end
         return delta
+
+
+def to_logprobs(
+    entries: list[dict[int, float]], ranks: list[int], tokens: list[int], tokenizer
+) -> list[dict[int, Logprob]]:
+    """{token: Logprob} per position from the engine's {token: logprob} entries: the position's
+    own token (rank from the engine) and the top-k (ranked by value)."""
+    out = []
+    for entry, rank, tok in zip(entries, ranks, tokens):
+        order = sorted(entry, key=lambda t: -entry[t])
+        lps = {}
+        for t in [tok, *order]:
+            if t in lps:
+                continue
+            text = tokenizer.decode([t]) if tokenizer is not None else None
+            r = rank if t == tok else order.index(t) + 1
+            lps[t] = Logprob(entry[t], r, text)
+        out.append(lps)
+    return out

@@ -52,8 +52,21 @@ class Request:
         # (their `leader`) and are forked from it, sharing its blocks, when its prompt is done.
         self.followers: list[Request] = []
         self.leader: Request | None = None
+        self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # prompt_logprobs of prompt tokens 1.. as computed so far, and whether they were sent
+        self.prompt_logprobs: list[dict[int, float]] = []
+        self.prompt_ranks: list[int] = []
+        self.prompt_logprobs_sent = False
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]], ranks: list[int]):
+        """Logprobs of prompt tokens `first`.. (a chunk computed again after a preemption
+        repeats some: those are dropped)."""
+        skip = len(self.prompt_logprobs) + 1 - first
+        if skip >= 0:
+            self.prompt_logprobs += entries[skip:]
+            self.prompt_ranks += ranks[skip:]
 
     @property
     def num_tokens(self) -> int:

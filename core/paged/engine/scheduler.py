@@ -11,6 +11,7 @@ token from its logits, so the prompt is computed and stored once.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from paged.engine.kv_cache import KVCacheManager
@@ -96,6 +97,7 @@ class Scheduler:
                 self.kv.hits += start
             req.num_computed_tokens = start
             req.status = Status.RUNNING
+            req.first_scheduled_time = req.first_scheduled_time or time.time()
             self.running.append(req)
             seats += 1 + len(req.followers)
             batch.reqs.append(req)
@@ -138,6 +140,7 @@ class Scheduler:
                 f.token_ids.append(PLACEHOLDER)
                 f.num_pending = 1
                 f.status = Status.RUNNING
+                f.first_scheduled_time = leader.first_scheduled_time
                 self.running.append(f)
             leader.followers = []
         return computed
@@ -162,6 +165,8 @@ class Scheduler:
             idx = req.num_tokens - req.num_pending
             req.token_ids[idx] = tok
             req.num_pending -= 1
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
             self._check_stop(req, tok, idx + 1)
             if req.finished:
                 self._finish(req)
@@ -189,6 +194,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.finished_ids.append(req.request_id)
+        req.finished_time = time.time()
         if req.leader is not None:  # a sequence not forked yet
             req.leader.followers.remove(req)
             req.leader = None

@@ -84,6 +84,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # these words' token sequences are never completed
     best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
+    prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (and its own)
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -134,6 +135,8 @@ class SamplingParams:
             bad("min_tokens", "must not exceed max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be in [0, 20]")
         if self.best_of is not None and self.best_of < self.n:
             bad("best_of", f"must be at least n ({self.n})")
         if any(not s for s in self.stop):

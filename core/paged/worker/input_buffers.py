@@ -29,12 +29,13 @@ class InputBuffers:
     ) -> None:
         self.block_size = block_size
         self.device = device
-        # int64: token ids | positions | slots | logits rows | placeholder fills (index, row)
+        # int64: token ids | positions | slots | logits rows (sampling rows, then the prompt
+        #        rows of prompt_logprobs requests) | placeholder fills (index, row)
         #        | block copies (sources, destinations: at most one per request)
         # int32: qsl | seq_lens | table
         self.sets = [
             (
-                torch.zeros(4 * max_tokens + 4 * max_reqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(4 * max_tokens + 5 * max_reqs, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(
                     2 * max_reqs + 1 + max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
                 ),
@@ -44,6 +45,9 @@ class InputBuffers:
         self.copied: list = [None, None]  # per set: an event after its last copies, or None
         self.turn = 0
         self.block_copies: torch.Tensor | None = None  # the loaded step's [2, n] on the device
+        # With prompt_logprobs rows: where the sampling rows and the prompt rows (each in the
+        # batch's order) sit among the logits rows. Set by pack_host (the driver's).
+        self.row_split: tuple[np.ndarray, np.ndarray] | None = None
 
     def pack(
         self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
@@ -83,6 +87,20 @@ class InputBuffers:
         # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
         totals = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
         last = (ends - 1)[seq >= totals]
+        prompt_rows = [  # prompt_logprobs: the rows before the last prompt token's
+            np.arange(e - n, e - n + max(0, min(n, r.num_prompt_tokens - 1 - s)))
+            for r, s, n, e in zip(reqs, starts.tolist(), batch.num_new, ends.tolist())
+            if r.params.prompt_logprobs is not None
+        ]
+        self.row_split = None
+        prompt_rows = [rows for rows in prompt_rows if len(rows)]
+        if prompt_rows:  # all rows in input order (forward may skip indexing all of them)
+            rows = np.concatenate([last, *prompt_rows])
+            order = np.argsort(rows, kind="stable")
+            at = np.empty_like(order)
+            at[order] = np.arange(len(order))
+            self.row_split = (at[: len(last)], at[len(last) :])
+            last = rows[order]
         n64 = self.i64.numpy()
         off, fills = 0, []
         for r, s, n in zip(reqs, starts.tolist(), batch.num_new):

@@ -170,9 +170,18 @@ class ModelRunner:
             self.step_runner.copy_blocks(self.inputs.block_copies)
         hidden = self.forward(input_ids, positions, meta, logits_idx)
         reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
-        if not reqs:
+        if logits_idx.numel() == 0:
             return StepHandle(reqs, None, [], None)
         logits = self.model.compute_logits(hidden)
+        prompt, split = None, self.inputs.row_split
+        if split is not None:  # rows of prompt_logprobs among the sampling rows
+            prompt = prompt_logprobs(batch, logits[torch.from_numpy(split[1]).to(self.device)])
+            logits = logits[torch.from_numpy(split[0]).to(self.device)]
+        if not reqs:  # a prompt chunk that samples nothing
+            handle = StepHandle(reqs, None, [], [])
+            handle.prompt = prompt
+            handle.prompt_host = self._host_copies(handle, prompt[1])
+            return handle
         if batch.forks:  # forked sequences sample from their leader's row
             logits, reqs = fork_rows(logits, reqs, batch.forks)
         want = [r.params.logprobs for r in reqs]
@@ -182,17 +191,24 @@ class ModelRunner:
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
             logprobs = logits.log_softmax(-1)
-            extra.append(logprobs.gather(1, tokens[:, None]).squeeze(1))
+            chosen = logprobs.gather(1, tokens[:, None])
+            extra += [chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1]  # value, rank
             if k:
                 extra.extend(logprobs.topk(k, dim=-1))
         handle = StepHandle(reqs, tokens, want, None)
+        handle.prompt = prompt
+        copies = self._host_copies(handle, [tokens, *extra, *(prompt[1] if prompt else [])])
+        handle.host, handle.prompt_host = copies[: 1 + len(extra)], copies[1 + len(extra) :]
+        return handle
+
+    def _host_copies(self, handle: StepHandle, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors as result() reads them: host copies that an event marks done where the
+        device runs ahead (overlap), else the tensors themselves."""
         if self.overlap and self.device.type != "cpu":  # result() waits for this step only
-            handle.host = [self._to_host(t) for t in (tokens, *extra)]
+            tensors = [self._to_host(t) for t in tensors]
             handle.event = torch.Event(device=self.device)
             handle.event.record()
-        else:
-            handle.host = [tokens, *extra]
-        return handle
+        return tensors
 
     @torch.inference_mode()
     def follow(self, header: list[int]) -> None:
@@ -251,6 +267,27 @@ def fork_rows(logits: torch.Tensor, reqs: list, forks: list) -> tuple[torch.Tens
     return torch.cat([logits, extra]), [*reqs, *(s for _, seqs in forks for s in seqs)]
 
 
+def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list, list]:
+    """The prompt_logprobs of a step's prompt rows (in InputBuffers.pack_host's order): per
+    request (id, position of its first token here, count, k, the tokens), and on the device
+    each token's logprob and rank, then the top-k values and ids (raw logits, as vLLM)."""
+    metas, targets = [], []
+    for r, n in zip(batch.reqs, batch.num_new):
+        if r.params.prompt_logprobs is None:
+            continue
+        s = r.num_computed_tokens
+        m = max(0, min(n, r.num_prompt_tokens - 1 - s))
+        if m:
+            toks = r.token_ids[s + 1 : s + 1 + m]
+            metas.append((r.request_id, s + 1, m, r.params.prompt_logprobs, toks))
+            targets += toks
+    lp = logits.float().log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+    k = max(meta[3] for meta in metas)
+    top = list(lp.topk(k, dim=-1)) if k else []
+    return metas, [chosen.squeeze(1), (lp > chosen).sum(-1) + 1, *top]
+
+
 class ProfileRequest:
     """A stand-in request for the profiling forward (a RequestView)."""
 
@@ -279,6 +316,30 @@ class StepHandle:
         self.host = host  # tokens (+ chosen logprob, top values, top ids) as host tensors
         self.event = None  # marks the host copies done (overlapped platforms)
         self._result: tuple[list[int], dict[str, dict[int, float]]] | None = None
+        self.ranks: dict[str, int] = {}  # the sampled token's rank, where logprobs were asked
+        self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
+        self.prompt_host: list[torch.Tensor] = []
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]], list[int]]]:
+        """{request id: (position of the first token, [{token: logprob} with its top-k],
+        [rank of each token])} for the prompt rows of this step. Waits for this step."""
+        if self.prompt is None:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        metas, _ = self.prompt
+        chosen, ranks, *top = [h.tolist() for h in self.prompt_host]
+        out, row = {}, 0
+        for rid, first, m, k, toks in metas:
+            entries = []
+            for j, tok in zip(range(row, row + m), toks):
+                entry = {tok: chosen[j]}
+                for t, v in zip(top[1][j][:k], top[0][j][:k]) if k else ():
+                    entry.setdefault(t, v)
+                entries.append(entry)
+            out[rid] = (first, entries, ranks[row : row + m])
+            row += m
+        return out
 
     def result(self) -> tuple[list[int], dict[str, dict[int, float]]]:
         """(a sampled token per request, {request id: {token: logprob}} for those that asked
@@ -296,11 +357,12 @@ class StepHandle:
     def _logprobs(self, tokens: list[int], extra: list[list]) -> dict[str, dict[int, float]]:
         if not extra:
             return {}
-        chosen, top_v, top_i = extra[0], *(extra[1:] or (None, None))
+        chosen, ranks, top_v, top_i = extra[0], extra[1], *(extra[2:] or (None, None))
         out = {}
         for row, (req, w) in enumerate(zip(self.reqs, self.want)):
             if w is None:
                 continue
+            self.ranks[req.request_id] = ranks[row]
             entry = {tokens[row]: chosen[row]}
             for j in range(w):
                 entry.setdefault(top_i[row][j], top_v[row][j])
