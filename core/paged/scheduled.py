@@ -4,9 +4,16 @@ the scheduled batch and a read-only view of each request in it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from paged.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+# A step's token mask: ({request id: row}, packed int32 bitmask [rows, ceil(V/32)] on the
+# host, bit set: allowed), for the requests that sample under a mask (structured outputs).
+TokenBitmask = tuple[dict[str, int], "torch.Tensor"]
 
 # Stands in token_ids for a token still being sampled on the device (overlapped steps).
 PLACEHOLDER = -1
@@ -48,6 +55,8 @@ class ScheduledBatch:
     # (request, sequences): requests that complete their prompt in this step and the other
     # samples forked from them (sharing its blocks); each samples from the request's logits row.
     forks: list[tuple[RequestView, list[RequestView]]] = field(default_factory=list)
+    # The token mask of the requests that sample under one (None: no request does).
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def num_tokens(self) -> int:

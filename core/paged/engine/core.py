@@ -19,6 +19,7 @@ from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
+from paged.sampling.structured import StructuredOutputs
 from paged.worker.worker import load_model_config, resolve_config
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.requests: dict[str, Request] = {}
+        # Masks (structured outputs, allowed ids, bad words): compiled off the step loop.
+        self.structured = StructuredOutputs(
+            self._load_tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            config.structured_outputs_backend,
+        )
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
@@ -116,9 +124,13 @@ class EngineCore:
         if any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
         seqs = [Request(i, prompt_token_ids, sample_params(params, k)) for k, i in enumerate(ids)]
+        masked = StructuredOutputs.needs(params)
+        if masked:  # scheduled once its mask is ready (step())
+            self.structured.add(seqs)
         for req in seqs:
             self.requests[req.request_id] = req
-        self.scheduler.add(seqs[0], seqs[1:])
+        if not masked:
+            self.scheduler.add(seqs[0], seqs[1:])
         self.stats["prompt_tokens"] += n
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
@@ -126,9 +138,37 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.finish(req, reason)
+                self.structured.free(rid)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.inflight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self.inflight is not None
+            or bool(self.structured.pending)
+        )
+
+    def _load_tokenizer(self):
+        """The tokenizer, for the masks' vocabulary (loaded once, by the first request that
+        needs it; the front end has its own)."""
+        if self.source is None:
+            return None
+        from paged.model.loader import load_tokenizer
+
+        return load_tokenizer(self.source, self.config.tokenizer)
+
+    def _admit_masked(self) -> list[EngineOutput]:
+        """Schedule the requests whose masks are now ready; reject those that failed. With
+        nothing else to run, wait a little for one instead of spinning."""
+        idle = not self.scheduler.has_unfinished() and self.inflight is None
+        ready, failed = self.structured.ready(0.05 if idle else 0.0)
+        for seqs in ready:
+            self.scheduler.add(seqs[0], seqs[1:])
+        outs = []
+        for req, why in failed:  # "rejected": a client error, as a refusal in add_request
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, "rejected")
+            outs.append(self._output(req, [], error=why))
+        return outs
 
     def metrics(self) -> dict[str, float]:
         """Gauges and counters for /metrics (counters are totals since start)."""
@@ -154,11 +194,15 @@ class EngineCore:
         the scheduler counts its tokens as pending placeholders, the next step reads them on
         the device, and the host work of both calls runs while the device computes."""
         outs: list[EngineOutput] = []
+        if self.structured.pending:
+            outs += self._admit_masked()
         prev = self.inflight
         if prev is not None and not self._can_overlap():
             outs += self._resolve(prev)
             prev = self.inflight = None
         batch = self.scheduler.schedule()
+        if self.structured.masks:
+            batch.token_bitmask = self.structured.bitmask(batch)
         launched = None
         if batch.reqs:
             try:
@@ -175,9 +219,11 @@ class EngineCore:
         return outs
 
     def _can_overlap(self) -> bool:
-        """Penalties read the output tokens on the host: those steps wait for the last one."""
+        """Penalties and masks (structured outputs, bad words) read the output tokens on the
+        host: those steps wait for the last one."""
         return self.runner.overlap and not any(
-            r.params.needs_penalties for r in self.scheduler.running
+            r.params.needs_penalties or StructuredOutputs.needs_sync(r.params)
+            for r in self.scheduler.running
         )
 
     def _resolve(self, launched) -> list[EngineOutput]:
@@ -194,9 +240,18 @@ class EngineCore:
         outs = []
         for req, tok in self.scheduler.resolve(batch, computed, handle.reqs, sampled):
             self.stats["generation_tokens"] += 1
+            error = None
+            if not req.finished and self.structured.masks:
+                state = self.structured.accept(req.request_id, tok)
+                if state == "done":  # the grammar is complete
+                    self.scheduler.finish(req, "stop")
+                elif state == "refused":  # only when the mask left nothing (min_tokens)
+                    self.scheduler.finish(req, "error")
+                    error = f"structured outputs: the grammar refused token {tok}"
             if req.finished:
                 self.requests.pop(req.request_id, None)
-            out = self._output(req, [tok])
+                self.structured.free(req.request_id)
+            out = self._output(req, [tok], error=error)
             if req.request_id in logprobs:
                 out.logprobs = [logprobs[req.request_id]]
                 out.ranks = [handle.ranks[req.request_id]]
@@ -223,6 +278,7 @@ class EngineCore:
         for req in reqs:
             self.scheduler.finish(req, "error")
             self.requests.pop(req.request_id, None)
+            self.structured.free(req.request_id)
             outs.append(self._output(req, [], error=f"{type(e).__name__}: {e}"))
         return outs
 

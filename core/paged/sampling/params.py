@@ -19,6 +19,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # EBNF (GBNF / xgrammar syntax)
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # json: no free whitespace between tokens
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -54,7 +55,7 @@ class StructuredOutputsParams:
         """The kind's specification as text (the compile cache's key with the kind)."""
         v = getattr(self, self.kind)
         if self.kind == "json":
-            return v if isinstance(v, str) else _json.dumps(v, sort_keys=True)
+            return v if isinstance(v, str) else _json.dumps(v)  # key order: generation order
         if self.kind == "choice":
             return _json.dumps(v)
         return "" if self.kind == "json_object" else v

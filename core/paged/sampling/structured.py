@@ -199,7 +199,7 @@ class StructuredOutputs:
                 if compiled is not None:
                     import xgrammar as xgr
 
-                    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+                    matcher = xgr.GrammarMatcher(compiled)
                 self.masks[s.request_id] = RequestMask(matcher, allowed, bad)
             if seqs:
                 done.append(seqs)

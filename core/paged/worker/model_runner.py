@@ -16,7 +16,7 @@ from paged.model.parallel import head_shard
 from paged.model.registry import model_class
 from paged.platform import Platform
 from paged.sampling.params import SamplingParams
-from paged.sampling.sampler import build_sampling_batch, sample
+from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
 from paged.scheduled import ScheduledBatch
 from paged.worker.input_buffers import InputBuffers
 
@@ -187,6 +187,8 @@ class ModelRunner:
         want = [r.params.logprobs for r in reqs]
         k = max((w or 0 for w in want), default=0)
         sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
+        if batch.token_bitmask is not None:  # structured outputs etc.: masked in the sampler
+            sb.bitmask = bitmask_rows(batch.token_bitmask, reqs, self.device)
         tokens = sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
