@@ -31,7 +31,7 @@ def err(r: httpx.Response, status: int) -> dict:
         ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-        ({"prompt": "hi", "logprobs": 1, "echo": True}, "echo"),
+        ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": "hi", "stop": [""]}, "stop"),
         ({"max_tokens": 1}, "prompt"),
     ],

@@ -33,8 +33,8 @@ def _num(v: float | None, fmt: str = "{:.0f}") -> str:
 
 def table(view: dict) -> str:
     """The /fleet answer as text: one row per replica, then the router."""
-    head = ("#", "platform", "pid", "health", "outstanding", "kv used", "tok/s", "prefill/s")
-    head += ("prefix blocks",)
+    head = ("#", "platform", "pid", "health", "restarts", "outstanding", "kv used", "tok/s")
+    head += ("prefill/s", "prefix blocks", "node")
     rows = [head]
     for r in view["replicas"]:
         health = r["health"]
@@ -42,9 +42,9 @@ def table(view: dict) -> str:
             health = f"silent {r['silent_for']:.0f}s"
         rows.append((
             str(r["index"]), str(r["platform"]), str(r["pid"]), health,
-            str(r["outstanding_tokens"]), f"{100 * r['kv_cache_usage_perc']:.1f}%",
-            _num(r["speed_tokens_per_s"]), _num(r["prefill_tokens_per_s"]),
-            str(r["prefix_blocks"]),
+            str(r.get("restarts", 0)), str(r["outstanding_tokens"]),
+            f"{100 * r['kv_cache_usage_perc']:.1f}%", _num(r["speed_tokens_per_s"]),
+            _num(r["prefill_tokens_per_s"]), str(r["prefix_blocks"]), str(r.get("node") or "-"),
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]

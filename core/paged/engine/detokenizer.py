@@ -11,9 +11,17 @@ class IncrementalDetokenizer:
     out right; an incomplete UTF-8 sequence waits for its next token.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
+        # Slow tokenizers honour it; fast ones never put spaces around special tokens.
+        self.kw = {"spaces_between_special_tokens": spaces_between_special_tokens}
         self.ids = list(prompt_ids[-6:])  # context for spacing of the first output token
         self.prefix = 0
         self.read = len(self.ids)
@@ -21,8 +29,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
         dec = self.tokenizer.decode
-        prefix_text = dec(self.ids[self.prefix : self.read], skip_special_tokens=self.skip)
-        text = dec(self.ids[self.prefix :], skip_special_tokens=self.skip)
+        prefix_text = dec(
+            self.ids[self.prefix : self.read], skip_special_tokens=self.skip, **self.kw
+        )
+        text = dec(self.ids[self.prefix :], skip_special_tokens=self.skip, **self.kw)
         if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(prefix_text) :]

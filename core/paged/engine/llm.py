@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -13,11 +12,12 @@ from tqdm import tqdm
 from paged.config import EngineConfig
 from paged.engine.core import EngineCore
 from paged.engine.outputs import (
-    CompletionOutput,
     OutputState,
     RequestMetrics,
     RequestOutput,
+    best_of,
     to_logprobs,
+    with_best_of_logprobs,
 )
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.sampling.params import SamplingParams
@@ -193,23 +193,3 @@ class LLM:
             time_in_queue=None if scheduled is None else scheduled - arrival,
             finished_time=max((t for t in ended if t), default=None),
         )
-
-
-def with_best_of_logprobs(p: SamplingParams) -> SamplingParams:
-    """best_of ranks sequences by cumulative logprob: compute the sampled tokens' logprobs."""
-    if p.num_sequences > p.n and p.logprobs is None:
-        return dataclasses.replace(p, logprobs=0)
-    return p
-
-
-def best_of(outputs: list[CompletionOutput], p: SamplingParams) -> list[CompletionOutput]:
-    """The n outputs of highest cumulative logprob (all of them without best_of), indexed 0..n-1;
-    logprobs dropped when only best_of asked for them."""
-    if p.num_sequences == p.n:
-        return outputs
-    ranked = sorted(outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: p.n]
-    for i, o in enumerate(ranked):
-        o.index = i
-        if p.logprobs is None:
-            o.logprobs = None
-    return ranked

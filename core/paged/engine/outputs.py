@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from paged.engine.core import EngineOutput
@@ -60,7 +61,12 @@ class OutputState:
     def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams):
         self.out = CompletionOutput(index, "", [])
         self.detok = (
-            IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+            IncrementalDetokenizer(
+                tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
             if tokenizer is not None
             else None
         )
@@ -125,3 +131,23 @@ def to_logprobs(
             lps[t] = Logprob(entry[t], r, text)
         out.append(lps)
     return out
+
+
+def with_best_of_logprobs(p: SamplingParams) -> SamplingParams:
+    """best_of ranks sequences by cumulative logprob: compute the sampled tokens' logprobs."""
+    if p.num_sequences > p.n and p.logprobs is None:
+        return dataclasses.replace(p, logprobs=0)
+    return p
+
+
+def best_of(outputs: list[CompletionOutput], p: SamplingParams) -> list[CompletionOutput]:
+    """The n outputs of highest cumulative logprob (all of them without best_of), indexed 0..n-1;
+    logprobs dropped when only best_of asked for them."""
+    if p.num_sequences == p.n:
+        return outputs
+    ranked = sorted(outputs, key=lambda o: -(o.cumulative_logprob or 0.0))[: p.n]
+    for i, o in enumerate(ranked):
+        o.index = i
+        if p.logprobs is None:
+            o.logprobs = None
+    return ranked

@@ -86,6 +86,7 @@ class SamplingParams:
     bad_words: list[str] | None = None  # these words' token sequences are never completed
     best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
     prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (and its own)
+    spaces_between_special_tokens: bool = True  # in the text (tokenizers that support it)
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

@@ -44,6 +44,35 @@ class CompletionLogprobs:
             self.offset += len(s)
         return out
 
+    def make_prompt(self, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+        """The echoed prompt's part: the first token has no logprob (None), as in OpenAI."""
+        first = _text(self.tok, token_ids[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None]}
+        head["text_offset"] = [self.offset]
+        self.offset += len(first)
+        return join_logprobs(head, self.make(token_ids[1:], entries))
+
+
+def join_logprobs(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+    return {k: a[k] + b[k] for k in a}
+
+
+def prompt_logprobs(
+    tok: Any, token_ids: list[int], entries: list[dict[int, float]], ranks: list[int]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} with the prompt token and the top-k (ranked by value)."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for tid, entry, rank in zip(token_ids[1:], entries, ranks):
+        order = sorted(entry, key=lambda t: -entry[t])
+        d = {}
+        for t in [tid, *order]:
+            if str(t) not in d:
+                r = rank if t == tid else order.index(t) + 1
+                d[str(t)] = {"logprob": _lp(entry[t]), "rank": r, "decoded_token": _text(tok, t)}
+        out.append(d)
+    return out
+
 
 def chat_logprobs(
     tok: Any, k: int, token_ids: list[int], entries: list[dict[int, float]]

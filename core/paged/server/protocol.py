@@ -6,6 +6,7 @@ offline API and the server refuse the same things with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -56,6 +57,7 @@ class RequestBody(OpenAIModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage (so far) in every chunk
 
 
 class SamplingRequest(RequestBody):
@@ -78,6 +80,7 @@ class SamplingRequest(RequestBody):
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LIST)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True  # slow tokenizers (fast ones never add them)
     user: str | None = None  # accepted, ignored
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -128,6 +131,7 @@ class SamplingRequest(RequestBody):
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             logprobs=logprobs,
             **set_,
         )
@@ -144,10 +148,24 @@ Prompt = (
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (with its logprobs when asked)
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # keep the n most likely of best_of
+    suffix: str | None = None  # refused: no fill-in-the-middle template
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None = None
+    ) -> SamplingParams:
+        p = super().sampling_params(max_tokens, logprobs)
+        best_of = self.best_of if self.best_of is not None and self.best_of > self.n else None
+        prompt_lps = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs
+            prompt_lps = max(prompt_lps or 0, self.logprobs)
+        if best_of is None and prompt_lps is None:
+            return p
+        return dataclasses.replace(p, best_of=best_of, prompt_logprobs=prompt_lps)
 
 
 class TextPart(OpenAIModel):

@@ -6,9 +6,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from paged.engine.outputs import OutputState
+from paged.engine.outputs import OutputState, with_best_of_logprobs
 from paged.server.errors import APIError
-from paged.server.logprobs import CompletionLogprobs, Pending
+from paged.server.logprobs import CompletionLogprobs, Pending, join_logprobs, prompt_logprobs
 from paged.server.protocol import CompletionRequest
 from paged.server.serving import (
     Prompt,
@@ -21,37 +21,44 @@ from paged.server.serving import (
     usage,
 )
 
-MAX_SEQUENCES = 1024  # prompts x n in one request
-
-
-def _not_supported(field: str) -> APIError:
-    return APIError(400, f"{field}: not supported yet", field)
+MAX_SEQUENCES = 1024  # prompts x n (or best_of) in one request
 
 
 async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, Any] | SSEResponse:
     sv.check_model(req.model)
-    if req.logprobs is not None and req.echo:
-        raise _not_supported("echo")  # with logprobs: that needs prompt logprobs
-    if req.best_of is not None and req.best_of != req.n:
-        raise _not_supported("best_of")
-    if req.suffix:
-        raise _not_supported("suffix")
-    params = sv.params(req, req.max_tokens, req.logprobs)
+    if req.suffix is not None:
+        msg = "suffix: not supported: this model has no fill-in-the-middle template"
+        raise APIError(400, msg, "suffix")
+    if req.best_of is not None and req.best_of < req.n:
+        raise APIError(400, f"best_of: must be at least n ({req.n})", "best_of")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise APIError(400, "best_of: not supported with stream (as in vLLM)", "best_of")
+    params = with_best_of_logprobs(sv.params(req, req.max_tokens, req.logprobs))
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
-    if len(raw) * req.n > MAX_SEQUENCES:
+    if len(raw) * params.num_sequences > MAX_SEQUENCES:
         msg = f"prompt: at most {MAX_SEQUENCES} sequences (prompts x n) per request"
         raise APIError(400, msg, "prompt")
+    keep = req.truncate_prompt_tokens
+    if keep is not None and keep > sv.max_model_len:
+        msg = (
+            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
+            f"({sv.max_model_len} tokens)"
+        )
+        raise APIError(400, msg, "truncate_prompt_tokens")
     prompts = []
     for p in raw:
+        text = p if isinstance(p, str) else None
         if isinstance(p, str):
             if not p:
                 raise APIError(400, "prompt: must not be empty", "prompt")
             ids = await sv.tokenize(p, "prompt")
-            prompts.append(sv.fit(p, ids, params, "prompt"))
         else:
-            prompts.append(sv.fit(None, list(p), params, "prompt"))
+            ids = list(p)
+        if keep is not None and len(ids) > keep:  # the last `keep` tokens: text from those
+            ids, text = ids[-keep:], None
+        prompts.append(sv.fit(text, ids, params, "prompt"))
     rid = new_id("cmpl")
     if req.stream:
         return SSEResponse(_stream(sv, req, rid, prompts))
@@ -69,6 +76,18 @@ def _head(sv: Serving, rid: str) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": sv.model_name}
 
 
+def _best(states: list[OutputState], n: int) -> list[OutputState]:
+    """best_of: the n sequences of highest cumulative logprob (all of them otherwise)."""
+    if len(states) == n:
+        return states
+    return sorted(states, key=lambda st: -(st.out.cumulative_logprob or 0.0))[:n]
+
+
+def _prompt_lps(states: list[OutputState]) -> OutputState | None:
+    """The sequence that carries its prompt's prompt_logprobs (the one that computed it)."""
+    return next((st for st in states if st.prompt_logprobs is not None), None)
+
+
 async def _full(
     sv: Serving, req: CompletionRequest, rid: str, prompts: list[Prompt]
 ) -> dict[str, Any]:
@@ -84,22 +103,29 @@ async def _full(
         raise api_error(e) from None
     choices = []
     for k, p in enumerate(prompts):
+        seqs = [st for (pk, _), st in sorted(states.items()) if pk == k]
         echo = _prompt_text(sv, p) if req.echo else ""
-        for i in range(n):
-            out = states[(k, i)].out
-            lps = None
+        plp = _prompt_lps(seqs)
+        for i, st in enumerate(_best(seqs, n)):
+            out, lps = st.out, None
             if req.logprobs is not None:
-                lps = CompletionLogprobs(sv.tokenizer, req.logprobs)
-                lps = lps.make(out.token_ids, out.logprobs or [])
-            choices.append(
-                {
-                    "index": k * n + i,
-                    "text": echo + out.text,
-                    "logprobs": lps,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
+                lp = CompletionLogprobs(sv.tokenizer, req.logprobs)
+                if req.echo and plp is not None:
+                    lps = lp.make_prompt(p.ids, plp.prompt_logprobs)
+                gen = lp.make(out.token_ids, out.logprobs or [])
+                lps = join_logprobs(lps, gen) if lps is not None else gen
+            choice = {
+                "index": k * n + i,
+                "text": echo + out.text,
+                "logprobs": lps,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            if req.prompt_logprobs is not None and plp is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(
+                    sv.tokenizer, p.ids, plp.prompt_logprobs, plp.prompt_ranks
+                )
+            choices.append(choice)
     completion = sum(len(st.out.token_ids) for st in states.values())
     prompt_tokens = sum(len(p.ids) for p in prompts)
     return _head(sv, rid) | {
@@ -112,33 +138,64 @@ async def _stream(
     sv: Serving, req: CompletionRequest, rid: str, prompts: list[Prompt]
 ) -> AsyncIterator[str]:
     n, head = req.n, _head(sv, rid)
-    with_usage = req.stream_options is not None and req.stream_options.include_usage
-    extra = {"usage": None} if with_usage else {}
+    opts = req.stream_options
+    with_usage = opts is not None and opts.include_usage
+    every_chunk = opts is not None and opts.continuous_usage_stats
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    completion, cached = 0, [0] * len(prompts)
 
     num_lps = req.logprobs
     lps = {i: CompletionLogprobs(sv.tokenizer, num_lps or 0) for i in range(n * len(prompts))}
     pending = Pending()
+    plps: dict[int, OutputState] = {}  # prompt -> the sequence with its prompt_logprobs
+    started: set[int] = set()  # choices whose first chunk went out
 
-    def chunk(index: int, text: str, reason: str | None = None, stop: Any = None) -> str:
-        lp = None
-        if num_lps is not None:
+    def chunk(index: int, text: str, reason: str | None = None, stop: Any = None, **kw) -> str:
+        lp = kw.pop("logprobs", None)
+        if num_lps is not None and lp is None:
             lp = lps[index].make(*pending.take(index))
         c = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
         c["stop_reason"] = stop
-        return sse(head | {"choices": [c]} | extra)
+        body = head | {"choices": [c | kw]}
+        if with_usage or every_chunk:
+            u = usage(prompt_tokens, completion, sum(cached)) if every_chunk else None
+            body["usage"] = u
+        return sse(body)
 
-    completion, cached = 0, [0] * len(prompts)
-    try:
+    def first_chunk(k: int, index: int) -> str | None:
+        """A choice's echoed prompt (with its logprobs) and prompt_logprobs, if asked."""
+        st, extra = plps.get(k), {}
+        if req.prompt_logprobs is not None and st is not None:
+            ids = prompts[k].ids
+            extra["prompt_logprobs"] = prompt_logprobs(
+                sv.tokenizer, ids, st.prompt_logprobs, st.prompt_ranks
+            )
         if req.echo:
-            for j, prompt in enumerate(prompts):
-                text = _prompt_text(sv, prompt)
+            lp = None
+            if num_lps is not None and st is not None:
+                lp = lps[index].make_prompt(prompts[k].ids, st.prompt_logprobs)
+            return chunk(index, _prompt_text(sv, prompts[k]), logprobs=lp, **extra)
+        return chunk(index, "", **extra) if extra else None
+
+    try:
+        wait_for_prompt = req.prompt_logprobs is not None or (req.echo and num_lps is not None)
+        if req.echo and not wait_for_prompt:  # nothing to wait for: the prompt goes first
+            for k in range(len(prompts)):
                 for i in range(n):
-                    yield chunk(j * n + i, text)
-        async for p, u in sv.generate(rid, prompts):
-            eo, index = u.output, p * n + u.index
+                    started.add(k * n + i)
+                    yield chunk(k * n + i, _prompt_text(sv, prompts[k]))
+        async for k, u in sv.generate(rid, prompts):
+            eo, index = u.output, k * n + u.index
             completion += len(eo.new_token_ids)
             if u.index == 0:
-                cached[p] = eo.num_cached_tokens
+                cached[k] = eo.num_cached_tokens
+            if u.state.prompt_logprobs is not None:
+                plps.setdefault(k, u.state)
+            if index not in started:
+                started.add(index)
+                first = first_chunk(k, index)
+                if first is not None:
+                    yield first
             pending.add(index, eo.new_token_ids, eo.logprobs)
             delta, out = u.state.text_delta(), u.state.out
             if u.state.finished:
@@ -146,7 +203,6 @@ async def _stream(
             elif delta:
                 yield chunk(index, delta)
         if with_usage:
-            prompt_tokens = sum(len(p.ids) for p in prompts)
             yield sse(
                 head | {"choices": [], "usage": usage(prompt_tokens, completion, sum(cached))}
             )

@@ -1,0 +1,102 @@
+"""vLLM's sampling fields on /v1/completions: n and best_of, echo with logprobs, prompt_logprobs,
+truncate_prompt_tokens, continuous usage, and the ones refused with a 400 naming them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROMPT = "The capital of France is"
+BASE = {"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+
+
+def ok(r) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_n_samples_equal_seeded_single_requests(http):
+    many = ok(http.post("/v1/completions", json=BASE | {"n": 3, "seed": 42}))["choices"]
+    singles = [
+        ok(http.post("/v1/completions", json=BASE | {"seed": 42 + i}))["choices"][0]["text"]
+        for i in range(3)
+    ]
+    assert [c["index"] for c in many] == [0, 1, 2]
+    assert [c["text"] for c in many] == singles
+
+
+def test_best_of_returns_the_most_likely_and_refuses_streaming(http):
+    body = BASE | {"n": 2, "best_of": 4, "seed": 5}
+    got = ok(http.post("/v1/completions", json=body))
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in got["choices"])
+    every = ok(http.post("/v1/completions", json=BASE | {"n": 4, "seed": 5, "logprobs": 0}))
+
+    def total(c: dict) -> float:
+        return sum(c["logprobs"]["token_logprobs"])
+
+    best = sorted(every["choices"], key=lambda c: -total(c))[:2]
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in best]
+    for bad in ({"stream": True}, {"best_of": 1}):
+        r = http.post("/v1/completions", json=body | bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "best_of", r.text
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(http):
+    ids = ok(http.post("/tokenize", json={"prompt": PROMPT}))["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
+    c = ok(http.post("/v1/completions", json=body | {"prompt_logprobs": 1}))["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"].startswith(PROMPT)
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    plp = c["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for tid, entry, value in zip(ids[1:], plp[1:], lp["token_logprobs"][1 : len(ids)]):
+        assert entry[str(tid)]["logprob"] == pytest.approx(value)
+        assert entry[str(tid)]["rank"] >= 1
+        assert any(e["rank"] == 1 for e in entry.values())
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    # Streamed: the echoed prompt with its logprobs first, then the same completion.
+    r = http.post("/v1/completions", json=body | {"stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:].startswith("{")]
+    first = chunks[0]["choices"][0]
+    assert first["text"] == PROMPT and first["logprobs"]["token_logprobs"][0] is None
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == c["text"]
+
+
+def test_truncate_prompt_tokens(http):
+    ids = ok(http.post("/tokenize", json={"prompt": PROMPT}))["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 1, "truncate_prompt_tokens": 3, "echo": True}
+    got = ok(http.post("/v1/completions", json=body))
+    assert got["usage"]["prompt_tokens"] == 3
+    tail = ok(http.post("/detokenize", json={"tokens": ids[-3:]}))["prompt"]
+    assert got["choices"][0]["text"].startswith(tail)
+    for k in (0, 10**6):
+        r = http.post("/v1/completions", json=body | {"truncate_prompt_tokens": k})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_continuous_usage_stats(http):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = BASE | {"n": 2, "seed": 1, "stream": True, "stream_options": opts}
+    r = http.post("/v1/completions", json=body)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:].startswith("{")]
+    used = [ch["usage"]["completion_tokens"] for ch in chunks]
+    assert all(ch["usage"]["prompt_tokens"] > 0 for ch in chunks)
+    assert used == sorted(used) and used[-1] == 12
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"suffix": "and so on"}, "suffix"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ],
+)
+def test_refused_fields_name_themselves(http, extra, param):
+    r = http.post("/v1/completions", json=BASE | extra)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
