@@ -79,10 +79,13 @@ def test_truncate_prompt_tokens(http):
         assert r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
-def test_continuous_usage_stats(http):
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(http, route):
     opts = {"include_usage": True, "continuous_usage_stats": True}
     body = BASE | {"n": 2, "seed": 1, "stream": True, "stream_options": opts}
-    r = http.post("/v1/completions", json=body)
+    if route.endswith("chat/completions"):
+        body = body | {"messages": [{"role": "user", "content": body.pop("prompt")}]}
+    r = http.post(route, json=body)
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:].startswith("{")]
     used = [ch["usage"]["completion_tokens"] for ch in chunks]
     assert all(ch["usage"]["prompt_tokens"] > 0 for ch in chunks)

@@ -85,6 +85,7 @@ async def _stream(
 ) -> AsyncIterator[str]:
     head = _head(sv, rid, "chat.completion.chunk")
     with_usage = req.stream_options is not None and req.stream_options.include_usage
+    every_chunk = req.stream_options is not None and req.stream_options.continuous_usage_stats
     extra = {"usage": None} if with_usage else {}
 
     pending = Pending()
@@ -96,6 +97,8 @@ async def _stream(
         c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         if reason is not None:
             c["stop_reason"] = stop
+        if every_chunk:  # continuous_usage_stats: the usage so far in every chunk
+            return sse(head | {"choices": [c], "usage": usage(len(prompt.ids), completion, cached)})
         return sse(head | {"choices": [c]} | extra)
 
     completion, cached = 0, 0
