@@ -68,6 +68,10 @@ class EngineConfig:
     pipeline_parallel_size: int = _opt(
         "stages the layers are split into (one process group each)", default=1, type=int
     )
+    pipeline_micro_batches: int = _opt(
+        "with pipeline stages: micro-batches a step's requests are split into, so that stages "
+        "work at once (0: two per stage; 1: stages one after another)", default=0, type=int
+    )
     data_parallel_size: int = _opt(
         "engine replicas behind one server, each with its own devices", default=1, type=int
     )
@@ -95,6 +99,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.pipeline_micro_batches < 0:
+            raise ValueError("pipeline_micro_batches must be >= 0 (0: two per stage)")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be mp or ray")
         if not 0 < self.gpu_memory_utilization <= 1:

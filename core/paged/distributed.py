@@ -138,10 +138,15 @@ def tp_gather_first(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
-def send_to_stage(tensors: list[torch.Tensor], pp_rank: int) -> None:
+def isend_to_stage(tensors: list[torch.Tensor], pp_rank: int) -> list[tuple[Any, torch.Tensor]]:
+    """Start sending to a stage without waiting: (work, tensor) pairs; keep them (the tensors
+    must live) until each work's wait()."""
     dst = _state.stage_rank(pp_rank)
+    out = []
     for t in tensors:
-        dist.send(t.contiguous(), dst, group=_state.world_group)
+        t = t.contiguous()
+        out.append((dist.isend(t, dst, group=_state.world_group), t))
+    return out
 
 
 def recv_from_stage(like: list[torch.Tensor], pp_rank: int) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from paged.config import EngineConfig
-from paged.distributed import broadcast_host, parallel, recv_from_stage, send_to_stage
+from paged.distributed import broadcast_host, parallel
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
 from paged.model.llama import head_dim_of
@@ -19,6 +19,7 @@ from paged.sampling.params import SamplingParams
 from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
 from paged.scheduled import ScheduledBatch
 from paged.worker.input_buffers import InputBuffers
+from paged.worker.pipeline import pipeline_forward
 
 log = logging.getLogger("paged")
 STEP, STOP = 1, 2  # the first int of a step header the driver sends the other ranks
@@ -231,29 +232,17 @@ class ModelRunner:
         logits_idx: torch.Tensor,
     ) -> torch.Tensor | None:
         """The final hidden states of the rows in `logits_idx`, on the first pipeline stage
-        (None elsewhere, or when no row needs logits). Pipeline stages run one after another,
-        each sending (hidden, residual) to the next; the last sends the rows back."""
+        (None elsewhere, or when no row needs logits). With pipeline stages the batch goes
+        through them as micro-batches (worker/pipeline.py); the last sends the rows back."""
         p, nl = parallel(), logits_idx.numel()
         if p.pp_size == 1:
             hidden = self.step_runner.forward(input_ids, positions, meta)
             if nl == 0:
                 return None
             return hidden if nl == hidden.shape[0] else hidden[logits_idx]
-        meta = self.backend.plan(meta)
-        t, dim = input_ids.shape[0], self.hf_config.hidden_size
-        if p.is_first_stage:
-            send_to_stage(list(self.model(input_ids, positions, meta)), 1)
-            if nl == 0:
-                return None
-            rows = torch.empty(nl, dim, dtype=self.dtype, device=self.device)
-            return recv_from_stage([rows], p.pp_size - 1)[0]
-        like = [torch.empty(t, dim, dtype=self.dtype, device=self.device) for _ in range(2)]
-        out = self.model(input_ids, positions, meta, tuple(recv_from_stage(like, p.pp_rank - 1)))
-        if not p.is_last_stage:
-            send_to_stage(list(out), p.pp_rank + 1)
-        elif nl:
-            send_to_stage([out[logits_idx]], 0)
-        return None
+        return pipeline_forward(self.model, self.backend, input_ids, positions, meta, logits_idx,
+                                self.hf_config.hidden_size, self.dtype,
+                                self.config.pipeline_micro_batches)  # fmt: skip
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
