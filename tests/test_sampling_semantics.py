@@ -132,3 +132,15 @@ def test_prompt_logprobs_match_hf_forward_across_chunks(tiny_models):
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     llm.engine.kv.check_invariants()
+
+
+def test_engine_seed_seeds_unseeded_sampling(tiny_models):
+    p = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        llm = _llm(tiny_models["llama"], seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate([PROMPT] * 3, p, use_tqdm=False)]
+
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first

@@ -74,6 +74,9 @@ class ModelRunner:
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
         )
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
+        # --seed: unseeded requests draw from torch's default generators, seeded here (as vLLM
+        # seeds its workers), so the same requests in the same order sample the same tokens.
+        torch.manual_seed(config.seed)
 
     def _build_model(self, weights, source) -> torch.nn.Module:
         cls = model_class(self.hf_config)
