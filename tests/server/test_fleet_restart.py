@@ -102,11 +102,22 @@ def restarts_metric(srv: rel.Server) -> dict[str, float]:
     return out
 
 
+def finished(srv: rel.Server) -> dict[str, float]:
+    """paged:request_success_total by finish reason."""
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text):
+        for s in fam.samples:
+            if s.name == "paged:request_success_total":
+                out[s.labels["finished_reason"]] = s.value
+    return out
+
+
 def test_a_killed_replica_is_restarted_and_its_waiting_requests_served_elsewhere(fleet):
     rows = view(fleet)["replicas"]
     assert [(r["health"], r["restarts"]) for r in rows] == [("ready", 0)] * 2
     assert restarts_metric(fleet) == {"0": 0.0, "1": 0.0}
     victim = rows[0]
+    counts = finished(fleet)
     prompts = [[SLOW, 100 + i, 200 + i, 300 + i] for i in range(6)]
     outs = [{} for _ in prompts]
     threads = [
@@ -132,6 +143,8 @@ def test_a_killed_replica_is_restarted_and_its_waiting_requests_served_elsewhere
     assert not failed, failed  # none that had produced nothing failed
     assert all(o["status"] == 200 and o["events"][-1] == "[DONE]" for o in outs)
     assert view(fleet)["retried_requests"] >= 1  # the killed replica's ones, on the other
+    now = finished(fleet)  # a retried request counts once, as it ended
+    assert now["length"] == counts["length"] + 6 and now["error"] == counts["error"], now
 
     def back() -> bool:
         row = view(fleet)["replicas"][0]

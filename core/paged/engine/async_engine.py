@@ -226,6 +226,9 @@ class AsyncEngine:
         self.dead: str | None = None  # why the core is gone
         self.observer: Any = None  # metrics hooks (server.metrics.ServerMetrics)
         self.on_dead: Callable[[], None] | None = None
+        # Set by a replica set, which sends a request lost before any output to another
+        # replica and counts it itself if it fails: such a loss is not counted here.
+        self.lost_uncounted = False
         self._seqs: dict[str, tuple[asyncio.Queue, int]] = {}
         self._children: dict[str, list[str]] = {}
         self._settled = asyncio.Event()  # ready (core and tokenizer) or dead
@@ -395,11 +398,12 @@ class AsyncEngine:
         last = [0.0] * n
         done = [False] * n
         ended = "abort"  # how unfinished sequences end if we leave early: the client went away
+        yielded = False
         try:
             while not all(done):
                 item = await q.get()
                 if isinstance(item, BaseException):
-                    ended = "error"
+                    ended = "lost" if self.lost_uncounted and not yielded else "error"
                     raise item
                 i, eo = item
                 if eo.error is not None:
@@ -422,11 +426,12 @@ class AsyncEngine:
                     self._seqs.pop(cids[i], None)
                     if obs is not None:
                         obs.finished(st.out.finish_reason or "stop", now - t0)
+                yielded = True
                 yield SeqUpdate(i, st, eo)
         finally:
             self.outstanding_tokens -= sum(work)
             self.abort(request_id)
-            if obs is not None and ended != "rejected":  # aborted and failed ones count too
+            if obs is not None and ended not in ("rejected", "lost"):  # aborted, failed: count
                 for _ in range(done.count(False)):
                     obs.finished(ended, time.monotonic() - t0)
 

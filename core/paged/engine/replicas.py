@@ -328,6 +328,7 @@ class ReplicaSet:
         engine = r.engine
         engine.on_dead = lambda: self._replica_died(r, engine)
         engine.observer = self._observer
+        engine.lost_uncounted = True  # _retrying counts a lost request that is not retried
 
     # ---- what the server reads -------------------------------------------------------
     @property
@@ -553,26 +554,31 @@ class ReplicaSet:
         replica: Replica,
         updates: AsyncIterator[SeqUpdate],
     ) -> AsyncIterator[SeqUpdate]:
-        attempts = 1
-        while True:
-            produced = False
-            try:
-                async for u in updates:
-                    produced = True
-                    yield u
-                return
-            except EngineDeadError:
-                if produced or self._closing or attempts > len(self.replicas):
-                    raise
-            finally:
-                await updates.aclose()  # type: ignore[attr-defined]
-            replica = await self._serving_replica(prompt_ids, params)
-            attempts += 1
-            self.retried += 1
-            log.warning("request %s: its replica died before it produced a token; sent "
-                        "again to replica %d", request_id, replica.index)  # fmt: skip
-            replica.prefix.add(block_hashes(prompt_ids))
-            updates = replica.generate(request_id, prompt_ids, params)
+        attempts, produced, t0 = 1, False, time.monotonic()
+        try:
+            while True:
+                try:
+                    async for u in updates:
+                        produced = True
+                        yield u
+                    return
+                except EngineDeadError:
+                    if produced or self._closing or attempts > len(self.replicas):
+                        raise
+                finally:
+                    await updates.aclose()  # type: ignore[attr-defined]
+                replica = await self._serving_replica(prompt_ids, params)
+                attempts += 1
+                self.retried += 1
+                log.warning("request %s: its replica died before it produced a token; sent "
+                            "again to replica %d", request_id, replica.index)  # fmt: skip
+                replica.prefix.add(block_hashes(prompt_ids))
+                updates = replica.generate(request_id, prompt_ids, params)
+        except EngineDeadError:
+            if not produced and self._observer is not None:  # its engines did not count it
+                for _ in range(params.num_sequences):
+                    self._observer.finished("error", time.monotonic() - t0)
+            raise
 
     async def _serving_replica(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
         """The router's pick among the serving replicas, waiting while none serves (they are
