@@ -6,6 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .head_dims import head_pad, unsupported_head_dim
+
+__all__ = ["LOG2E", "check_attention_args", "dot_flags", "head_pad"]
+
 LOG2E = 1.4426950408889634
 
 
@@ -22,14 +26,30 @@ def _load_kv_tile(
     stride_ch,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
 ):
-    """K^T `[HEAD_DIM, BLOCK_N]` and V `[BLOCK_N, HEAD_DIM]` for logical positions `pos`."""
+    """K^T `[HEAD_PAD, BLOCK_N]` and V `[BLOCK_N, HEAD_PAD]` for logical positions `pos`;
+    dims past HEAD_DIM (a head size that is not a power of two) read as zeros."""
     blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     base = blk * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-    d = tl.arange(0, HEAD_DIM)
-    k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=valid[None, :], other=0.0)
-    v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    d = tl.arange(0, HEAD_PAD)
+    k_mask = valid[None, :]
+    v_mask = valid[:, None]
+    if HEAD_PAD != HEAD_DIM:
+        k_mask = k_mask & (d < HEAD_DIM)[:, None]
+        v_mask = v_mask & (d < HEAD_DIM)[None, :]
+    k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=k_mask, other=0.0)
+    v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=v_mask, other=0.0)
     return k_t, v
+
+
+@triton.jit
+def _dim_mask(rows_ok, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """`[rows, HEAD_PAD]` mask of real rows and real head dims (all dims when unpadded)."""
+    mask = rows_ok[:, None]
+    if HEAD_PAD != HEAD_DIM:
+        mask = mask & (tl.arange(0, HEAD_PAD) < HEAD_DIM)[None, :]
+    return mask
 
 
 @triton.jit
@@ -80,6 +100,7 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert q.stride(-1) == 1, "q must have unit stride in the last dim"
     assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim: power of two >= 16"
+    if (why := unsupported_head_dim(head_dim)) is not None:
+        raise ValueError(why)
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     return num_heads // num_kv_heads

@@ -12,7 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn_common import LOG2E, _load_kv_tile, _softmax_step, check_attention_args, dot_flags
+from ._attn_common import (
+    LOG2E,
+    _dim_mask,
+    _load_kv_tile,
+    _softmax_step,
+    check_attention_args,
+    dot_flags,
+    head_pad,
+)
 from .decode import paged_attention_decode
 
 __all__ = ["paged_attention_decode", "paged_attention_varlen"]
@@ -43,6 +51,7 @@ def _varlen_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -63,14 +72,15 @@ def _varlen_kernel(
     row_ok = (q_idx < q_len) & (g < GROUP)
     head = kv_head * GROUP + g
     tok = (q_start + q_idx).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_PAD)
+    io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
     q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     q_pos = ctx + q_idx  # absolute position of each row's query token
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # causal: last query of the tile
     # Whole tiles of keys before the tile's first query are visible to every row: no mask.
     full_end = (ctx + q0) // BLOCK_N * BLOCK_N
@@ -79,7 +89,7 @@ def _varlen_kernel(
         pos = start + tl.arange(0, BLOCK_N)
         k_t, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, pos < kv_end,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         acc, m_i, l_i = _softmax_step(
             q, k_t, v, acc, m_i, l_i, None, qk_scale, IEEE, UPCAST, MASK=False
@@ -89,7 +99,7 @@ def _varlen_kernel(
         valid = pos < kv_end
         k_t, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         mask = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
@@ -97,7 +107,7 @@ def _varlen_kernel(
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_attention_varlen(
@@ -129,13 +139,14 @@ def paged_attention_varlen(
         return out
     block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     group_pad = triton.next_power_of_2(group)
+    pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
     # Tuned on an H200 (bf16, D=128): BLOCK_M 64 x BLOCK_N 64, 4 warps, 2 stages.
     # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
     cap = block_m or 64
     block_m = max(16, group_pad, min(cap, triton.next_power_of_2(max_query_len) * group_pad))
     block_q = block_m // group_pad
-    block_n = block_n or min(64, 16384 // (head_dim * q.element_size()))  # K+V tile <= 32 KiB
-    num_warps = num_warps or (4 if head_dim <= 128 else 8)
+    block_n = block_n or min(64, 16384 // (pad * q.element_size()))  # K+V tile <= 32 KiB
+    num_warps = num_warps or (4 if pad <= 128 else 8)
     grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
@@ -143,7 +154,7 @@ def paged_attention_varlen(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, **dot_flags(q),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, **dot_flags(q),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

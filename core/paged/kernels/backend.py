@@ -35,6 +35,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.workspace: torch.Tensor | None = None
         self.decode_kwargs, self.varlen_kwargs = self.launch_tiles()
 
+    @classmethod
+    def check_shape(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from paged.kernels.head_dims import unsupported_head_dim
+
+        super().check_shape(num_heads, num_kv_heads, head_dim)
+        if (why := unsupported_head_dim(head_dim)) is not None:
+            raise ValueError(f"{why}; attention backend {cls.name!r}")
+
     def launch_tiles(self) -> tuple[dict[str, int], dict[str, int]]:
         """(decode, varlen) keyword arguments for `paged_attention_decode` and
         `paged_attention_varlen`; called once, at construction."""

@@ -24,6 +24,7 @@ def _reshape_and_cache_kernel(
     num_heads,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -33,8 +34,10 @@ def _reshape_and_cache_kernel(
     blk = slot // BLOCK_SIZE
     off = slot % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_PAD)
     mask = (h < num_heads)[:, None]
+    if HEAD_PAD != HEAD_DIM:  # a head size that is not a power of two: mask the tail
+        mask = mask & (d < HEAD_DIM)[None, :]
     t64 = t.to(tl.int64)
     k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
@@ -80,6 +83,7 @@ def reshape_and_cache(
         num_heads,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=triton.next_power_of_2(num_heads),
         num_warps=4,
     )

@@ -13,7 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attn_common import LOG2E, _load_kv_tile, _softmax_step, check_attention_args, dot_flags
+from ._attn_common import (
+    LOG2E,
+    _dim_mask,
+    _load_kv_tile,
+    _softmax_step,
+    check_attention_args,
+    dot_flags,
+    head_pad,
+)
 
 MAX_SPLITS = 32
 _TARGET_PROGRAMS = 256  # enough (B x kv_heads x splits) programs to fill a large GPU
@@ -46,6 +54,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -62,21 +71,22 @@ def _split_kernel(
     g = tl.arange(0, BLOCK_H)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_PAD)
+    io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
     b64 = b.to(tl.int64)
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
     bt_row = bt_ptr + b64 * stride_bt
     for s0 in range(start, end, BLOCK_N):
         pos = s0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k_t, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
-            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         mask = valid[None, :]
         acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
@@ -84,10 +94,10 @@ def _split_kernel(
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
         w = ws_ptr + b64 * stride_wb + head * stride_wh + split * stride_ws
-        tl.store(w[:, None] + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(w[:, None] + d[None, :], acc, mask=io_mask)
         tl.store(w + HEAD_DIM, m_i, mask=row_ok)
         tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
 
@@ -102,6 +112,7 @@ def _reduce_kernel(
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
@@ -110,14 +121,15 @@ def _reduce_kernel(
     s = tl.arange(0, SPLITS_PAD)
     ok = s < NUM_SPLITS
     w = ws_ptr + b * stride_wb + head * stride_wh + s * stride_ws
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_PAD)
     m = tl.load(w + HEAD_DIM, mask=ok, other=-1.0e30)
     l_s = tl.load(w + HEAD_DIM + 1, mask=ok, other=0.0)
-    acc = tl.load(w[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    acc = tl.load(w[:, None] + d[None, :], mask=_dim_mask(ok, HEAD_DIM, HEAD_PAD), other=0.0)
     scale = tl.exp2(m - tl.max(m, 0))
     denom = tl.sum(scale * l_s, 0)
     o = tl.sum(acc * scale[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -180,19 +192,20 @@ def paged_attention_decode(
         ws, ws_strides = out, (0, 0, 0)  # unused
     # Tuned on an H200 (bf16, D=128): BLOCK_N 128, 4 warps, 3 stages; K+V tile <= 64 KiB.
     # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
-    block_n = block_n or min(128, 32768 // (head_dim * q.element_size()))
+    pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
+    block_n = block_n or min(128, 32768 // (pad * q.element_size()))
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws, seq_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
         **dot_flags(q), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             ws, out, *ws_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip
     return out

@@ -81,11 +81,13 @@ def _warps(n: int) -> int:
 
 @triton.jit
 def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, BLOCK_H: tl.constexpr,
-            HALF: tl.constexpr):  # fmt: skip
+            HALF: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
     """Rotate the first 2*HALF dims of every head of token t in place (NeoX style)."""
     h = tl.arange(0, BLOCK_H)
-    c = tl.arange(0, HALF)
+    c = tl.arange(0, HALF_PAD)
     mask = (h < n_heads)[:, None]
+    if HALF_PAD != HALF:  # a rotary width that is not a power of two: mask the tail
+        mask = mask & (c < HALF)[None, :]
     p1 = ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -109,16 +111,18 @@ def _rotary_kernel(
     n_q_heads,
     n_k_heads,
     HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.arange(0, HALF)
-    cos = tl.load(cache_ptr + pos * stride_cache + c).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + c).to(tl.float32)
-    _rotate(q_ptr, stride_qt, stride_qh, t, n_q_heads, cos, sin, BLOCK_HQ, HALF)
-    _rotate(k_ptr, stride_kt, stride_kh, t, n_k_heads, cos, sin, BLOCK_HK, HALF)
+    c = tl.arange(0, HALF_PAD)
+    ok = c < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + c, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + c, mask=ok, other=0.0).to(tl.float32)
+    _rotate(q_ptr, stride_qt, stride_qh, t, n_q_heads, cos, sin, BLOCK_HQ, HALF, HALF_PAD)
+    _rotate(k_ptr, stride_kt, stride_kh, t, n_k_heads, cos, sin, BLOCK_HK, HALF, HALF_PAD)
 
 
 def rotary_embedding(
@@ -131,17 +135,18 @@ def rotary_embedding(
     """In-place NeoX ("rotate_half") rotary on q `[T, Hq, D]`, k `[T, Hk, D]` (strided views).
 
     cos_sin_cache `[max_pos, rot_dim]`: cos in the first rot_dim/2 columns, sin in the rest;
-    rot_dim (a power of two, <= head_dim) leading dims of each head are rotated.
+    rot_dim (even, <= head_dim) leading dims of each head are rotated.
     """
     num_tokens = positions.shape[0]
     rot_dim = cos_sin_cache.shape[-1]
     assert q.shape[-1] == head_dim and k.shape[-1] == head_dim and rot_dim <= head_dim
-    assert rot_dim >= 2 and rot_dim & (rot_dim - 1) == 0, "rotary dim must be a power of two"
+    assert rot_dim >= 2 and rot_dim % 2 == 0, "rotary dim must be even"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     if num_tokens:
         _rotary_kernel[(num_tokens,)](
             positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin_cache.stride(0), q.shape[1], k.shape[1], HALF=rot_dim // 2,
+            HALF_PAD=triton.next_power_of_2(rot_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
             BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
         )  # fmt: skip

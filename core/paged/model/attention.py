@@ -41,6 +41,7 @@ class AttentionBackend:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        self.check_shape(num_heads, num_kv_heads, head_dim)  # at start-up, not in a kernel
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -48,6 +49,14 @@ class AttentionBackend:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+
+    @classmethod
+    def check_shape(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError naming the shape this backend cannot run (checked at start-up)."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"{num_heads} attention heads do not share {num_kv_heads} KV heads evenly"
+            )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
