@@ -144,3 +144,15 @@ def test_engine_seed_seeds_unseeded_sampling(tiny_models):
     first = run(7)
     assert run(7) == first
     assert run(8) != first
+
+
+def test_chat_template_kwargs_and_continue_final_message(smollm):
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ greeting }}"
+    conv = [{"role": "user", "content": "hi"}]
+    out = smollm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                      chat_template_kwargs={"greeting": "ahoy"})[0]  # fmt: skip
+    assert out.prompt.endswith("hi|ahoy")
+    conv.append({"role": "assistant", "content": "Hello th"})
+    out = smollm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False,
+                      add_generation_prompt=False, continue_final_message=True)[0]  # fmt: skip
+    assert out.prompt.endswith("Hello th")

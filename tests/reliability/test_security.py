@@ -161,7 +161,8 @@ def test_chat_template_sandbox(tiny_model, tmp_path, template):
 def test_request_cannot_bring_its_own_template(tiny_http):
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     plain = tiny_http.post("/v1/chat/completions", json=base).json()["usage"]["prompt_tokens"]
-    for field in ({"chat_template": "{{ 'word ' * 50 }}"}, {"chat_template_kwargs": {"x": 1}}):
+    evil = "{{ 'word ' * 50 }}"  # a template, as the request's own or smuggled in the kwargs
+    for field in ({"chat_template": evil}, {"chat_template_kwargs": {"chat_template": evil}}):
         r = tiny_http.post("/v1/chat/completions", json=base | field)
         assert check_error(r, 400)["param"] == next(iter(field))  # refused, never applied
     r = tiny_http.post("/v1/chat/completions", json=base)

@@ -103,3 +103,21 @@ def test_continuous_usage_stats(http, route):
 def test_refused_fields_name_themselves(http, extra, param):
     r = http.post("/v1/completions", json=BASE | extra)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_template_options(http):
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Bl"}]
+    body = {"messages": conv, "max_tokens": 2, "temperature": 0, "add_generation_prompt": False}
+
+    def prompt_tokens(extra: dict) -> int:
+        return ok(http.post("/v1/chat/completions", json=body | extra))["usage"]["prompt_tokens"]
+
+    closed = prompt_tokens({})
+    assert prompt_tokens({"continue_final_message": True}) < closed  # no end-of-turn after "Bl"
+    assert prompt_tokens({"chat_template_kwargs": {"enable_thinking": False}}) == closed
+    for extra, param in (
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ):
+        r = http.post("/v1/chat/completions", json=body | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

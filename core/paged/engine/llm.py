@@ -93,7 +93,13 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
+        """`continue_final_message`: leave the last (assistant) message open for the model to
+        continue (with add_generation_prompt=False); `chat_template_kwargs`: template variables."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in convs:
@@ -102,6 +108,8 @@ class LLM:
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=load_chat_template(chat_template) or self.chat_template,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
             )
             prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
         return self._run(prompts, sampling_params, use_tqdm)

@@ -200,7 +200,48 @@ class ResponseFormat(OpenAIModel):
     type: str
 
 
-class ChatCompletionRequest(SamplingRequest):
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (a request never
+# brings a template, tools go in `tools`); the rest reach the template as plain data.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    ("chat_template", "conversation", "messages", "tools", "documents", "tokenize",
+     "add_generation_prompt", "continue_final_message", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
+)  # fmt: skip
+
+
+class ChatTemplateOptions(OpenAIModel):
+    """vLLM's chat-template fields of a chat request."""
+
+    # The final (assistant) message left open for the model to continue; needs
+    # add_generation_prompt false.
+    continue_final_message: bool = False
+    # Variables for the server's chat template (e.g. enable_thinking): data, never a template.
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+
+    @model_validator(mode="after")
+    def _template_options(self) -> ChatTemplateOptions:
+        if self.continue_final_message and getattr(self, "add_generation_prompt", False):
+            raise ValueError(
+                "continue_final_message: cannot be used with add_generation_prompt; "
+                "set add_generation_prompt to false"
+            )
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_ARGS or not key.isidentifier():
+                raise ValueError(
+                    f"chat_template_kwargs: {key[:60]!r} cannot be set here (template variables "
+                    "only; the server's chat template is the one applied)"
+                )
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What apply_chat_template receives besides the conversation and tools."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kw["continue_final_message"] = True
+        return kw
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

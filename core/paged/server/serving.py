@@ -191,8 +191,12 @@ class Serving:
 
     # ---- chat templates ----------------------------------------------------------------
     async def render_chat(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
+        """`template_kwargs`: data for the template (continue_final_message, enable_thinking)."""
         tok = self.need_tokenizer("messages")
         if len(messages) > self.max_model_len:
             msg = (
@@ -205,15 +209,23 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from None
         self.check_chars(sum(m.text_length() for m in messages), "messages")
-        return await self.off_loop(self._render, tok, conv, add_generation_prompt)
+        args = (tok, conv, add_generation_prompt, template_kwargs)
+        return await self.off_loop(self._render, *args)
 
-    def _render(self, tok: Any, conv: list[dict], add_generation_prompt: bool):
+    def _render(
+        self,
+        tok: Any,
+        conv: list[dict],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
         try:
             text = tok.apply_chat_template(
                 conv,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.chat_template,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja TemplateError, no template, raise_exception(...)
             msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__

@@ -36,7 +36,9 @@ async def create_chat_completion(
         raise APIError(400, msg, "max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    text, ids = await sv.render_chat(req.messages, req.add_generation_prompt)
+    text, ids = await sv.render_chat(
+        req.messages, req.add_generation_prompt, req.template_kwargs()
+    )
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
     if req.stream:
