@@ -80,7 +80,7 @@ def server(cluster, tiny, tmp_path_factory):
     args = ["--fleet", str(path), "--ray-address", cluster[0].address, "--router", "round-robin"]
     srv = rel.start_server(args, tmp / "server.log")
     yield srv
-    rel.stop_server(srv)
+    assert rel.stop_server(srv) == 0  # drained, its actors stopped
 
 
 def view(srv) -> dict:
