@@ -104,7 +104,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parsing_args(parser: argparse.ArgumentParser) -> None:
-    """Tool calling and reasoning (docs/structured.md), in vLLM's spellings."""
+    """Tool calling and reasoning (docs/tools.md), in vLLM's spellings."""
     from paged.server.reasoning import REASONING_PARSERS
     from paged.server.tool_parsers import TOOL_PARSERS
 

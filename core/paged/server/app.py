@@ -224,7 +224,8 @@ def build_app(state: ServerState) -> Any:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await sv.tokenize(req.prompt, "prompt", special)
         else:
-            text, ids = await sv.render_chat(req.messages or [], req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            text, ids = await sv.render_chat(req.messages or [], req.add_generation_prompt, tools)
             if req.add_special_tokens:
                 ids = await sv.tokenize(text, "messages", True)
         tok = sv.tokenizer

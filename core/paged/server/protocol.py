@@ -7,6 +7,7 @@ offline API and the server refuse the same things with the same messages.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -173,11 +174,53 @@ class TextPart(OpenAIModel):
     text: str | None = None
 
 
+MAX_TOOLS = 512  # tools per request
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None  # the schema is always enforced for required / named choices
+
+
+class ChatCompletionTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+Tools = Annotated[list[ChatCompletionTool], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the API returns it
+
+
+class ToolCall(OpenAIModel):
+    """A call in an assistant message of the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # tool_calls etc. pass on
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # template-specific keys
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         content = self.content
@@ -187,6 +230,16 @@ class ChatMessage(BaseModel):
             content = "".join(p.text or "" for p in content)
         msg = self.model_dump(exclude_none=True)
         msg["content"] = content or ""
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise ValueError(f"messages[{index}].tool_calls: only assistant messages have them")
+            # Templates read arguments as a mapping (vLLM passes them parsed, too).
+            for j, call in enumerate(msg["tool_calls"]):
+                try:
+                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                except ValueError:
+                    field = f"messages[{index}].tool_calls[{j}].function.arguments"
+                    raise ValueError(f"{field}: not valid JSON") from None
         return msg
 
     def text_length(self) -> int:
@@ -249,6 +302,30 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     response_format: ResponseFormat | None = None
+    tools: Tools | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True  # false: at most one call
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice: the function {choice.function.name[:100]!r} is not in tools"
+                )
+        elif choice not in (None, "none") and not self.tools:
+            raise ValueError(f"tool_choice: {choice!r} needs tools")
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class TokenizeRequest(RequestBody):
@@ -263,6 +340,7 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: Tools | None = None  # with messages: rendered by the chat template
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 
 from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, SeqUpdate
 from paged.sampling.params import SamplingParams
+from paged.server.chat_parsing import ParsingOptions
 from paged.server.errors import APIError, bad_request
 from paged.server.protocol import ChatMessage, SamplingRequest
 
@@ -86,6 +87,7 @@ class Serving:
         self.chat_template = chat_template
         self.created = int(time.time())
         self._max_prompt_chars = max_prompt_chars
+        self.parsing = ParsingOptions()  # tool-call and reasoning parsers (server flags)
         # Tokenizing and chat templating: never on the event loop (a large prompt would stall
         # every other request and /health).
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="paged-tokenize")
@@ -194,6 +196,7 @@ class Serving:
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """`template_kwargs`: data for the template (continue_final_message, enable_thinking)."""
@@ -209,7 +212,7 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from None
         self.check_chars(sum(m.text_length() for m in messages), "messages")
-        args = (tok, conv, add_generation_prompt, template_kwargs)
+        args = (tok, conv, add_generation_prompt, tools, template_kwargs)
         return await self.off_loop(self._render, *args)
 
     def _render(
@@ -217,11 +220,13 @@ class Serving:
         tok: Any,
         conv: list[dict],
         add_generation_prompt: bool,
+        tools: list | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ):
         try:
             text = tok.apply_chat_template(
                 conv,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.chat_template,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from paged.engine.outputs import OutputState
+from paged.sampling.params import SamplingParams, StructuredOutputsParams
+from paged.server.chat_parsing import ChatParsing, ChatStreamer, ParsingOptions
 from paged.server.errors import APIError
 from paged.server.logprobs import Pending, chat_logprobs
 from paged.server.protocol import ChatCompletionRequest
@@ -20,6 +23,10 @@ from paged.server.serving import (
     sse_error,
     usage,
 )
+
+# The request fields that ask for structured outputs (protocol.py), as the client spelled them.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")  # fmt: skip
 
 
 async def create_chat_completion(
@@ -37,13 +44,42 @@ async def create_chat_completion(
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
     params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     text, ids = await sv.render_chat(
-        req.messages, req.add_generation_prompt, req.template_kwargs()
+        req.messages, req.add_generation_prompt, req.tool_dicts(), req.template_kwargs()
     )
+    parsing = ChatParsing(sv.parsing, req, text)
+    params = _adjust(sv, req, parsing, params)
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
     if req.stream:
-        return SSEResponse(_stream(sv, req, rid, prompt))
-    return await _full(sv, req, rid, prompt)
+        return SSEResponse(_stream(sv, req, rid, prompt, parsing))
+    return await _full(sv, req, rid, prompt, parsing)
+
+
+def _adjust(
+    sv: Serving, req: ChatCompletionRequest, parsing: ChatParsing, params: SamplingParams
+) -> SamplingParams:
+    """What tool calling and reasoning change in the sampling: tool_choice "required" or a
+    named function is enforced by structured outputs; structured outputs wait for the end of
+    the reasoning; tags the tokenizer calls special are kept in the text for the parser."""
+    field = next((f for f in STRUCTURED_FIELDS if getattr(req, f, None) is not None), None)
+    if field == "response_format" and req.response_format.type == "text":
+        field = next((f for f in STRUCTURED_FIELDS[1:] if getattr(req, f) is not None), None)
+    if parsing.schema is not None:
+        if params.structured_outputs is not None:
+            msg = f"tool_choice: a required or named tool choice cannot be combined with {field}"
+            raise APIError(400, msg, "tool_choice")
+        # Compact JSON: calls are read by programs, and free whitespace lets a model pad
+        # without end.
+        so = StructuredOutputsParams(json=parsing.schema, disable_any_whitespace=True)
+        params, field = dataclasses.replace(params, structured_outputs=so), "tool_choice"
+    if params.structured_outputs is not None and parsing.reasoning_end is not None:
+        # The engine would constrain the reasoning too: refused until it can defer the
+        # grammar to after the reasoning's end marker.
+        msg = f"{field}: structured outputs with --reasoning-parser are not supported yet"
+        raise APIError(400, msg, field)
+    if params.skip_special_tokens and parsing.keep_special_tokens(sv.tokenizer):
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
 
 
 def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
@@ -51,8 +87,13 @@ def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
 
 
 async def _full(
-    sv: Serving, req: ChatCompletionRequest, rid: str, prompt: Prompt
+    sv: Serving,
+    req: ChatCompletionRequest,
+    rid: str,
+    prompt: Prompt,
+    parsing: ChatParsing | None = None,
 ) -> dict[str, Any]:
+    parsing = parsing or ChatParsing(ParsingOptions(), req, prompt.text)
     states: dict[int, OutputState] = {}
     cached = 0
     try:
@@ -63,18 +104,17 @@ async def _full(
     except Exception as e:
         raise api_error(e) from None
     k = req.top_logprobs or 0
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": st.out.text},
-            "logprobs": chat_logprobs(sv.tokenizer, k, st.out.token_ids, st.out.logprobs or [])
-            if req.logprobs
-            else None,
-            "finish_reason": st.out.finish_reason,
-            "stop_reason": st.out.stop_reason,
-        }
-        for i, st in sorted(states.items())
-    ]
+    choices = []
+    for i, st in sorted(states.items()):
+        message, reason = {"role": "assistant", "content": st.out.text}, st.out.finish_reason
+        if parsing.active:
+            message, called = parsing.message(st.out.text)
+            reason = parsing.finish_reason(called, reason)
+        lps = None
+        if req.logprobs:
+            lps = chat_logprobs(sv.tokenizer, k, st.out.token_ids, st.out.logprobs or [])
+        choices.append({"index": i, "message": message, "logprobs": lps,
+                        "finish_reason": reason, "stop_reason": st.out.stop_reason})  # fmt: skip
     completion = sum(len(st.out.token_ids) for st in states.values())
     return _head(sv, rid, "chat.completion") | {
         "choices": choices,
@@ -83,8 +123,13 @@ async def _full(
 
 
 async def _stream(
-    sv: Serving, req: ChatCompletionRequest, rid: str, prompt: Prompt
+    sv: Serving,
+    req: ChatCompletionRequest,
+    rid: str,
+    prompt: Prompt,
+    parsing: ChatParsing | None = None,
 ) -> AsyncIterator[str]:
+    parsing = parsing or ChatParsing(ParsingOptions(), req, prompt.text)
     head = _head(sv, rid, "chat.completion.chunk")
     with_usage = req.stream_options is not None and req.stream_options.include_usage
     every_chunk = req.stream_options is not None and req.stream_options.continuous_usage_stats
@@ -105,6 +150,7 @@ async def _stream(
 
     completion, cached = 0, 0
     started: set[int] = set()
+    streams: dict[int, ChatStreamer] = {}
     try:
         async for _, u in sv.generate(rid, [prompt]):
             if u.index not in started:  # the role with the first token, as vLLM sends it
@@ -116,11 +162,16 @@ async def _stream(
                 cached = eo.num_cached_tokens
             pending.add(u.index, eo.new_token_ids, eo.logprobs)
             delta, out = u.state.text_delta(), u.state.out
+            body = {"content": delta} if delta else {}
+            if parsing.active:
+                body = streams.setdefault(u.index, parsing.streamer()).feed(delta, u.state.finished)
             if u.state.finished:
-                body = {"content": delta} if delta else {}
-                yield chunk(u.index, body, out.finish_reason, out.stop_reason)
-            elif delta:
-                yield chunk(u.index, {"content": delta})
+                reason = out.finish_reason
+                if parsing.active:
+                    reason = parsing.finish_reason(streams[u.index].called, reason)
+                yield chunk(u.index, body, reason, out.stop_reason)
+            elif body:
+                yield chunk(u.index, body)
         if with_usage:
             yield sse(head | {"choices": [], "usage": usage(len(prompt.ids), completion, cached)})
     except Exception as e:
