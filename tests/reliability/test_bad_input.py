@@ -39,7 +39,8 @@ CASES = [
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
     # unknown fields: refused on every route, never silently ignored
     ("/tokenize", {"prompt": "hi", "promt": "x"}, 400, "promt"),
-    (CMPL, {"prompt": "hi", "guided_json": {}}, 400, "guided_json"),
+    (CMPL, {"prompt": "hi", "guided_decoding_backend": "xgrammar"}, 400, "guided_decoding_backend"),
+    (CMPL, {"prompt": "hi", "guided_json": {"type": "bogus"}}, 400, "guided_json"),
     (CHAT, {"messages": MSGS, "tools": []}, 400, "tools"),
     ("/detokenize", {"tokens": [1], "text": "x"}, 400, "text"),
     # negative, NaN, infinite numbers

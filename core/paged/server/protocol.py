@@ -12,11 +12,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from paged.sampling.params import SamplingParams
+from paged.sampling.params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # sequences per prompt
 MAX_LIST = 1024  # stop_token_ids, logit_bias entries
 MAX_STOP = 64  # stop strings
+MAX_ALLOWED_IDS = 1 << 20  # allowed_token_ids entries
 MAX_TOP_K = 2**31 - 1  # larger values would overflow the sampler's int64 tensors
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses seed + i
@@ -61,6 +62,39 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # usage (so far) in every chunk
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
+
+    name: str = Field(max_length=256)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema (xgrammar is strict)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError("json_schema is only allowed with type json_schema")
+        return self
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` object: one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_LIST)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(RequestBody):
     """The fields completions and chat share."""
 
@@ -83,6 +117,17 @@ class SamplingRequest(RequestBody):
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True  # slow tokenizers (fast ones never add them)
     user: str | None = None  # accepted, ignored
+    # Structured outputs (docs/structured.md): at most one of these five.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_LIST)] | None = None
+    guided_grammar: str | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_IDS)] | None
+    ) = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_LIST)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -122,6 +167,9 @@ class SamplingRequest(RequestBody):
             if getattr(self, k) is not None
         }
         return SamplingParams(
+            structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             n=self.n,
             seed=self.seed,
             max_tokens=max_tokens,
@@ -136,6 +184,53 @@ class SamplingRequest(RequestBody):
             logprobs=logprobs,
             **set_,
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint this request asks for, checked (the spec
+        parses); ValueError names the field as the client spelled it."""
+        given = []  # (field, kwargs of StructuredOutputsParams)
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.json_schema
+            if schema is None:
+                raise ValueError("response_format.json_schema.schema: required")
+            given.append(("response_format.json_schema.schema", {"json": schema}))
+        so = self.structured_outputs
+        if so is not None:
+            kw = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object))
+                  if v not in (None, False)}  # fmt: skip
+            if len(kw) != 1:
+                raise ValueError(
+                    "structured_outputs: give exactly one of json, regex, choice, grammar, "
+                    f"json_object (got {', '.join(kw) or 'none'})"
+                )
+            kind = next(iter(kw))
+            kw["disable_any_whitespace"] = so.disable_any_whitespace
+            given.append((f"structured_outputs.{kind}", kw))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = [f.split(".")[0] for f, _ in given]
+            raise ValueError(
+                f"{names[1]}: only one structured output constraint per request "
+                f"(got {', '.join(names)})"
+            )
+        field, kw = given[0]
+        try:
+            sp = StructuredOutputsParams(**kw)
+        except ValueError as e:  # "structured_outputs.json: ..." -> the client's spelling
+            raise ValueError(f"{field}: {str(e).split(': ', 1)[-1]}") from None
+        from paged.sampling.structured import check_spec
+
+        check_spec(sp, field)
+        return sp
 
 
 Prompt = (
@@ -249,10 +344,6 @@ class ChatMessage(BaseModel):
         return len(self.content or "")
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (a request never
 # brings a template, tools go in `tools`); the rest reach the template as plain data.
 RESERVED_TEMPLATE_ARGS = frozenset(
@@ -301,7 +392,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most one call

@@ -35,8 +35,6 @@ async def create_chat_completion(
     sv.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, "response_format: not supported yet", "response_format")
     both = req.max_tokens is not None and req.max_completion_tokens is not None
     if both and req.max_tokens != req.max_completion_tokens:
         msg = "max_completion_tokens: give max_tokens or max_completion_tokens, not both"
