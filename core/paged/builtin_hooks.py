@@ -8,9 +8,14 @@ from paged.hookspecs import hookimpl
 @hookimpl
 def paged_models() -> dict[str, type]:
     from paged.model.llama import LlamaForCausalLM
+    from paged.model.mixtral import MixtralForCausalLM
+    from paged.model.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     return {
         "LlamaForCausalLM": LlamaForCausalLM,
         "MistralForCausalLM": LlamaForCausalLM,
         "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
     }

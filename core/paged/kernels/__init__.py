@@ -18,6 +18,7 @@ _EXPORTS = {
     "fused_add_rms_norm": "fused",
     "rotary_embedding": "fused",
     "silu_and_mul": "fused",
+    "fused_moe": "moe",
 }
 
 __all__ = sorted(_EXPORTS)

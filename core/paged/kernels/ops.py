@@ -38,4 +38,5 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
         "silu_and_mul": kernels.silu_and_mul,
+        "fused_moe": kernels.fused_moe,
     }

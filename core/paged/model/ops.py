@@ -55,6 +55,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture-of-experts MLP: sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])
+    with expert e = w2[e] @ silu_and_mul(w13[e] @ x). x [T, H], w13 [E, 2I, H], w2 [E, H, I].
+    Grouped as HF does: a loop over the experts that received tokens (in expert order, each
+    expert's tokens in (k, token) order), added back with index_add_."""
+    num_tokens = topk_ids.shape[0]
+    out = torch.zeros_like(x)
+    flat = topk_ids.t().reshape(-1)  # [k * T]: slot j is token j % T, choice j // T
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    weights = topk_weights.t().reshape(-1)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[start : start + n]
+        start += n
+        tokens = slots % num_tokens
+        h = silu_and_mul(F.linear(x[tokens], w13[expert]))
+        y = F.linear(h, w2[expert]) * weights[slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
 ) -> None:
@@ -82,6 +112,7 @@ _DEFAULTS: dict[str, Callable] = {
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
+    "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
 }
 _active: dict[str, Callable] = dict(_DEFAULTS)
 

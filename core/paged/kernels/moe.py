@@ -1,0 +1,142 @@
+"""Fused mixture-of-experts MLP: the (token, choice) pairs sorted by expert, then one grouped
+GEMM over all experts for gate/up, SiLU-and-mul, and one for down weighted by the router.
+
+`align()` lays the T*k pairs out expert by expert, each expert's run padded to a multiple of
+BLOCK_M rows, and gives each block of BLOCK_M rows its expert; a program of `_grouped_gemm`
+multiplies one block's rows by one BLOCK_N slice of its expert's matrix. Every size is an upper
+bound known from T, k and E, so nothing waits for the device (CUDA graphs can capture it);
+blocks past the last expert's run exit at once. The k outputs of a token are summed last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged.kernels.fused import silu_and_mul
+
+
+@triton.jit
+def _grouped_gemm(
+    a_ptr,  # [rows of A, K]: x (rows = pair // TOP_K) or the activations (rows = pair)
+    b_ptr,  # [E, N, K]: the experts' weights
+    c_ptr,  # [T * top_k, N]: one output row per (token, choice) pair
+    w_ptr,  # [T * top_k]: routing weights (read when MUL_WEIGHT)
+    pairs_ptr,  # [blocks * BLOCK_M]: pair index of each sorted row, n_pairs for padding
+    block_expert_ptr,  # [blocks]: expert of each block, >= num_experts past the end
+    n_pairs,
+    num_experts,
+    N,
+    K,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pairs_ptr + rows).to(tl.int64)
+    valid = pairs < n_pairs
+    a_rows = pairs // TOP_K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_base = b_ptr + expert * stride_be
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(b_base + cols[None, :] * stride_bn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        if UPCAST:  # the CPU interpreter multiplies bf16 storage (uint16) as ints
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    if MUL_WEIGHT:
+        # HF rounds the expert's output to the model dtype before weighting it
+        acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * w[:, None]
+    tl.store(c_ptr + pairs[:, None] * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])  # fmt: skip
+
+
+def align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, block_expert): pair indices (t * k + choice) sorted by expert, each expert's run
+    padded with n_pairs to a multiple of block_m; the expert of every block (num_experts for
+    the unused blocks at the end). Sizes are upper bounds: no device-to-host sync."""
+    flat = topk_ids.reshape(-1)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    num_blocks = (n + num_experts * (block_m - 1) + block_m - 1) // block_m
+    order = flat.argsort(stable=True)
+    expert_of = flat[order].long()
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert_of]
+    pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int64, device=dev)
+    pairs[(pad_end - padded)[expert_of] + rank] = order
+    blocks = torch.arange(num_blocks, device=dev)
+    block_expert = torch.searchsorted(pad_end // block_m, blocks, right=True)
+    return pairs, block_expert
+
+
+def _gemm(a, b, c, weights, pairs, block_expert, top_k: int, block_m: int) -> None:
+    num_experts, n, k = b.shape
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    cpu = a.device.type == "cpu"  # the interpreter
+    _grouped_gemm[grid](
+        a, b, c, weights, pairs, block_expert, c.shape[0], num_experts, n, k,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, MUL_WEIGHT=weights is not None, IEEE=a.dtype == torch.float32 or cpu,
+        UPCAST=cpu and a.dtype != torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """paged.model.ops.fused_moe on the device: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights / topk_ids [T, k] -> [T, H]."""
+    num_tokens, top_k = topk_ids.shape
+    hidden = x.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    n_pairs = num_tokens * top_k
+    block_m = 16 if n_pairs <= 4 * w13.shape[0] else 64  # decode: few rows per expert
+    pairs, block_expert = align(topk_ids, w13.shape[0], block_m)
+    gate_up = x.new_empty(n_pairs, w13.shape[1])
+    _gemm(x, w13, gate_up, None, pairs, block_expert, top_k, block_m)
+    act = silu_and_mul(gate_up)
+    down = x.new_empty(n_pairs, hidden)
+    weights = topk_weights.reshape(-1).contiguous()
+    _gemm(act, w2, down, weights, pairs, block_expert, 1, block_m)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)
