@@ -40,10 +40,19 @@ def _opt(help: str, **kw: Any) -> Any:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt("HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    model: str | None = _opt(
+        "HF model directory, .gguf file or Hugging Face Hub id (org/name, org/name:Q4_K_M for "
+        "a GGUF repo) (default: SmolLM2-135M-Instruct)"
+    )
     tokenizer: str | None = _opt("tokenizer directory, if not the model's")
+    revision: str | None = _opt("Hub model: branch, tag or commit (default: main)")
+    download_dir: str | None = _opt("Hub model: cache directory (default: the HF_HUB_CACHE)")
+    trust_remote_code: bool = _opt("refused: paged never runs code from a model", default=False)
     dtype: str = _opt("float32 | bfloat16 | float16 | auto (the platform's choice)", default="auto")
-    load_format: str = _opt("auto | safetensors | gguf | dummy (random weights)", default="auto")
+    load_format: str = _opt(
+        "auto | safetensors | gguf | dummy (random weights; the config is enough)",
+        default="auto", choices=("auto", "safetensors", "gguf", "dummy"),
+    )
     platform: str | None = _opt("force a platform (also PAGED_PLATFORM)")
     max_model_len: int | None = _opt("context length (default: the model's)", type=int)
     block_size: int = _opt("tokens per KV cache block", default=16, type=int)
@@ -92,6 +101,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.trust_remote_code:
+            raise ValueError(
+                "trust_remote_code: paged never runs code from a model repository; "
+                "`paged models` lists the architectures it implements"
+            )
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -148,6 +166,7 @@ class EngineConfig:
                 parser.add_argument(
                     flag,
                     type=f.metadata.get("type", str),
+                    choices=f.metadata.get("choices"),
                     default=f.default,
                     help=help,
                     dest=f.name,

@@ -1,10 +1,11 @@
 """Find a model and load its config, tokenizer and weights: HF safetensors dirs and GGUF files.
 
-Nothing here downloads: a model is a local directory (config.json + *.safetensors) or a .gguf
-file. GGUF metadata is slow to parse, so the tokenizer, config, dequantized weights and stored
-blocks (for platforms that compute on them) read from a GGUF file are cached under
-$PAGED_CACHE_DIR (default ~/.cache/paged) in tokenizers/<key>, configs/<key>, weights/<key> and
-blocks/<key>, keyed by the file's name, size and mtime.
+A model is a local directory (config.json + *.safetensors), a .gguf file or a Hugging Face Hub
+id (hub.py: the cache first, a download when online). GGUF metadata is slow to parse, so the
+tokenizer, config, dequantized weights and stored blocks (for platforms that compute on them)
+read from a GGUF file are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in
+tokenizers/<key>, configs/<key>, weights/<key> and blocks/<key>, keyed by the file's name, size
+and mtime.
 """
 
 from __future__ import annotations
@@ -65,39 +66,76 @@ def default_model_path() -> str:
     )
 
 
-def resolve_model(model: str | None) -> ModelSource:
-    """A local HF directory or GGUF file as a ModelSource; None means the default model."""
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def resolve_model(
+    model: str | None,
+    load_format: str = "auto",
+    revision: str | None = None,
+    download_dir: str | None = None,
+) -> ModelSource:
+    """A local HF directory, GGUF file or Hub id (`org/name`, `org/name:Q4_K_M`, resolved
+    through huggingface_hub's cache, see hub.py) as a ModelSource; None means the default
+    model. `load_format`: auto | safetensors | gguf | dummy (a config is enough)."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(
+            f"load_format {_show(load_format)} is not one of {', '.join(LOAD_FORMATS)}"
+        )
     if model is None:
-        path = default_model_path()
-        return ModelSource(path, "gguf", DEFAULT_FILE.split(".")[0])
+        src = ModelSource(default_model_path(), "gguf", DEFAULT_FILE.split(".")[0])
+        return _check_format(src, load_format)
     path = os.path.abspath(os.path.expanduser(model))
+    name = None
+    if not os.path.exists(path):
+        from paged.model.hub import parse_hub_id, resolve_hub
+
+        if parse_hub_id(model) is None:
+            raise ModelLoadError(
+                f"model {_show(model)} not found: pass a local directory with config.json and "
+                "*.safetensors, a .gguf file, or a Hugging Face Hub id (org/name)"
+            )
+        path, name = resolve_hub(model, load_format, revision, download_dir), model
+    elif revision is not None:
+        raise ModelLoadError(f"revision applies to Hub ids only; {_show(model)} is a local path")
+    return _check_format(_local_source(model, path, name, load_format), load_format)
+
+
+def _check_format(src: ModelSource, load_format: str) -> ModelSource:
+    """Refuse a checkpoint of the other kind than --load-format names."""
+    wanted = {"safetensors": "hf", "gguf": "gguf"}.get(load_format)
+    if wanted is not None and src.kind != wanted:
+        have = "a GGUF file" if src.kind == "gguf" else "a safetensors directory"
+        raise ModelLoadError(
+            f"load_format {load_format}: model {_show(src.name)} is {have}; use "
+            f"--load-format {'gguf' if src.kind == 'gguf' else 'safetensors'} or auto"
+        )
+    return src
+
+
+def _local_source(model: str, path: str, name: str | None, load_format: str) -> ModelSource:
     if os.path.isdir(path):
-        name = os.path.basename(path.rstrip(os.sep)) or path
+        name = name or os.path.basename(path.rstrip(os.sep)) or path
         if not os.path.isfile(os.path.join(path, "config.json")):
             ggufs = sorted(p.name for p in Path(path).glob("*.gguf"))
             hint = f"; to load a GGUF file pass its path, e.g. {_show(ggufs[0])}" if ggufs else ""
             raise ModelLoadError(f"model directory {_show(model)} has no config.json{hint}")
-        from paged.model.hf_loader import safetensors_files
+        if load_format in ("auto", "safetensors"):  # dummy needs the config only
+            from paged.model.hf_loader import safetensors_files
 
-        for f in safetensors_files(path):  # fail now, not after building the engine
-            _check_safetensors(f, name)
+            for f in safetensors_files(path):  # fail now, not after building the engine
+                _check_safetensors(f, name)
         return ModelSource(path, "hf", name)
-    if os.path.isfile(path):
-        if not path.lower().endswith(".gguf"):
-            raise ModelLoadError(
-                f"model file {_show(model)} is not a .gguf file; for safetensors pass the "
-                "directory that holds config.json and the *.safetensors files"
-            )
-        with open(path, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ModelLoadError(f"{_show(model)} is not a GGUF file (bad magic number)")
-        stem = os.path.basename(path)[: -len(".gguf")]
-        return ModelSource(path, "gguf", _QUANT_SUFFIX.sub("", stem) or stem)
-    raise ModelLoadError(
-        f"model {_show(model)} not found: pass a local directory with config.json and "
-        "*.safetensors, or a .gguf file (paged never downloads from the Hugging Face Hub; "
-        "fetch the model first, e.g. `hf download ORG/NAME --local-dir DIR`)"
-    )
+    if not path.lower().endswith(".gguf"):
+        raise ModelLoadError(
+            f"model file {_show(model)} is not a .gguf file; for safetensors pass the "
+            "directory that holds config.json and the *.safetensors files"
+        )
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"{_show(model)} is not a GGUF file (bad magic number)")
+    stem = os.path.basename(path)[: -len(".gguf")]
+    return ModelSource(path, "gguf", name or _QUANT_SUFFIX.sub("", stem) or stem)
 
 
 def _check_safetensors(path: str, model: str) -> None:
@@ -124,6 +162,13 @@ def load_config(src: ModelSource) -> PretrainedConfig:
                 src.path, trust_remote_code=False, local_files_only=True
             )
         except (OSError, ValueError, KeyError) as e:
+            custom = _remote_code(src.path)
+            if custom:
+                raise ModelLoadError(
+                    f"model {_show(src.name)} needs code from its repository ({custom} in "
+                    "config.json's auto_map), which paged never runs (no --trust-remote-code); "
+                    "`paged models` lists the architectures paged implements"
+                ) from e
             raise ModelLoadError(f"cannot read the config of {_show(src.name)}: {e}") from e
     from paged.model.gguf_loader import gguf_config
 
@@ -135,6 +180,19 @@ def load_config(src: ModelSource) -> PretrainedConfig:
     )
     config._name_or_path = src.path  # not the cache dir it was read from
     return config
+
+
+def _remote_code(path: str) -> str | None:
+    """The custom classes a config.json's auto_map names, if any."""
+    import json
+
+    try:
+        auto_map = json.loads(Path(path, "config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(auto_map, dict) or not auto_map:
+        return None
+    return ", ".join(sorted({str(v) for v in auto_map.values()}))[:200]
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> Any:
@@ -215,8 +273,10 @@ class _Tensors(dict):
     def save_pretrained(self, directory: str) -> None:
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in self.items()},
-                  os.path.join(directory, "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in self.items()},
+            os.path.join(directory, "model.safetensors"),
+        )
 
 
 def _gguf_tokenizer(path: str) -> Any:

@@ -191,7 +191,7 @@ def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
         return config.model, None  # a named shape: token ids only
     from paged.model.loader import load_tokenizer, resolve_model
 
-    src = resolve_model(config.model)  # fails early and clearly on a bad path
+    src = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
     return src.name, lambda: load_tokenizer(src, config.tokenizer)
 
 

@@ -39,7 +39,7 @@ def load_model_config(config: EngineConfig):
         return shape_config(config.model), None
     from paged.model.loader import load_config, resolve_model
 
-    src = resolve_model(config.model)
+    src = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
     return load_config(src), src
 
 
