@@ -61,3 +61,36 @@ def test_engine_refuses_a_mismatch_before_loading(default_model_path):
 
     with pytest.raises(ModelLoadError, match="is a GGUF file"):
         LLM(default_model_path, load_format="safetensors")
+
+
+def test_paged_models_lists_builtins_and_plugins(capsys):
+    """`paged models`: every registered architecture, its provider and load formats."""
+    import json
+    import types
+
+    from paged.cli.main import main
+    from paged.hookspecs import hookimpl
+    from paged.model.llama import LlamaForCausalLM
+    from paged.plugins import get_plugin_manager
+
+    class AcmeForCausalLM(LlamaForCausalLM):
+        pass
+
+    plugin = types.SimpleNamespace(
+        paged_models=hookimpl(lambda: {"AcmeForCausalLM": AcmeForCausalLM})
+    )
+    pm = get_plugin_manager()
+    pm.register(plugin, name="acme-models")
+    try:
+        assert main(["models", "--json"]) == 0
+        rows = {r["architecture"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+        assert main(["models"]) == 0
+        table = capsys.readouterr().out
+    finally:
+        pm.unregister(plugin)
+    assert rows["LlamaForCausalLM"]["load_formats"] == ["safetensors", "gguf", "dummy"]
+    assert rows["LlamaForCausalLM"]["provider"] == "paged"
+    assert rows["MistralForCausalLM"]["model_class"] == "paged.model.llama.LlamaForCausalLM"
+    assert rows["AcmeForCausalLM"]["provider"] == "acme-models"
+    assert rows["AcmeForCausalLM"]["load_formats"] == ["safetensors", "dummy"]
+    assert "AcmeForCausalLM" in table and "Qwen2ForCausalLM" in table

@@ -11,7 +11,17 @@ import sys
 from collections.abc import Sequence
 
 from paged import __version__
-from paged.cli import bench_offline, bench_serve, chat, complete, env, fleet, platforms, run_batch
+from paged.cli import (
+    bench_offline,
+    bench_serve,
+    chat,
+    complete,
+    env,
+    fleet,
+    models,
+    platforms,
+    run_batch,
+)
 
 SERVE_HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -53,6 +63,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     bench_offline.register(bench_sub, load=argv[:1] == ["bench"])
     bench.set_defaults(func=lambda _: bench.print_help() or 2)
     platforms.register(sub)
+    models.register(sub)
     env.register(sub)
     fleet.register(sub)
     return parser
