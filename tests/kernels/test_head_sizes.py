@@ -82,3 +82,52 @@ def test_unsupported_head_size_is_refused_before_a_kernel(device):
         TritonAttentionBackend(4, 2, 512, 0.1, 16, torch.float32, torch.device(device))
     for head_dim in (64, 80, 96, 112, 128, 256):  # accepted
         TritonAttentionBackend(4, 2, head_dim, 0.1, 16, torch.float32, torch.device(device))
+
+
+@pytest.fixture(scope="module")
+def odd_head_models(tmp_path_factory) -> dict[int, str]:
+    """Tiny random Llamas with head size 80 (an explicit head_dim) and 96 (hidden / heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("odd-heads")
+    shapes = {
+        80: dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=80),
+        96: dict(hidden_size=192, num_attention_heads=2, num_key_value_heads=1),
+    }
+    paths = {}
+    for head_dim, shape in shapes.items():
+        cfg = LlamaConfig(**shape, intermediate_size=128, num_hidden_layers=2, vocab_size=320,
+                          max_position_embeddings=256, bos_token_id=0, eos_token_id=1)  # fmt: skip
+        torch.manual_seed(head_dim)
+        model = LlamaForCausalLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.normal_(0, 0.2)  # logits far from ties
+        assert model.model.layers[0].self_attn.head_dim == head_dim
+        paths[head_dim] = str(root / f"head{head_dim}")
+        model.save_pretrained(paths[head_dim], safe_serialization=True)
+    return paths
+
+
+@pytest.mark.parametrize("head_dim,native", [(80, True), (96, True), (96, False)])
+def test_cpu_platform_matches_hf(odd_head_models, head_dim, native):
+    """The cpu platform (C++ decode kernel, or torch ops) at head sizes 80 and 96: greedy
+    output token-identical to HF transformers, through prefix-cache hits and chunked prefill."""
+    from test_hf_parity import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams
+
+    path = odd_head_models[head_dim]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, platform="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=16,
+              max_num_batched_tokens=32, cpu_native=native)  # fmt: skip
+    g = torch.Generator().manual_seed(head_dim)
+    shared = torch.randint(2, 320, (40,), generator=g).tolist()  # > one chunk, shared blocks
+    prompts = [shared + [5, 6], shared + [7], torch.randint(2, 320, (9,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts[:1]]  # cache filled
+    outs += llm.generate(prompts[1:], params, use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
