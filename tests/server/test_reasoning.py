@@ -1,11 +1,15 @@
 """Reasoning on a live server (the parsers themselves: test_tool_parsers.py): a tiny random
 Qwen2 served with --reasoning-parser deepseek_r1. A logit bias on `</think>` (one token of its
 tokenizer) makes seeded sampling end the reasoning part-way; the split must match the raw
-text that /v1/completions gives for the same prompt and sampling, streamed or not."""
+text that /v1/completions gives for the same prompt and sampling, streamed or not, and a
+structured output (tool_choice required) must start only after the reasoning."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
+import jsonschema
 import pytest
 from tool_model import MODEL_ARGS, WEATHER_TOOL, make_tool_model, server_helpers
 
@@ -44,23 +48,29 @@ def raw_text(http, **kw) -> str:
     ]["text"]
 
 
-def chat(srv, stream: bool, **kw) -> tuple[str | None, str | None, str]:
-    """(reasoning_content, content, finish_reason) through the openai client."""
+def chat(srv, stream: bool, **kw) -> dict:
+    """reasoning, content, calls [(name, arguments)] and finish through the openai client."""
     import openai
 
     oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
     body = {"model": "tiny-qwen", "messages": MSGS, **SAMPLING, **kw}
     if not stream:
         c = oai.chat.completions.create(**body).choices[0]
-        return getattr(c.message, "reasoning_content", None), c.message.content, c.finish_reason
-    reasoning, content, reason = "", "", None
+        calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        reasoning = getattr(c.message, "reasoning_content", None)
+        return {"reasoning": reasoning, "content": c.message.content, "calls": calls,
+                "finish": c.finish_reason}  # fmt: skip
+    reasoning, content, calls, reason = "", "", {}, None
     for chunk in oai.chat.completions.create(**body, stream=True):
         d = chunk.choices[0].delta
         r = getattr(d, "reasoning_content", None) or ""
-        assert not (r and content), "reasoning after content"
+        assert not (r and (content or calls)), "reasoning after content"
         reasoning, content = reasoning + r, content + (d.content or "")
+        for t in d.tool_calls or []:
+            calls.setdefault(t.index, [t.function.name, ""])[1] += t.function.arguments or ""
         reason = chunk.choices[0].finish_reason or reason
-    return reasoning or None, content or None, reason
+    return {"reasoning": reasoning or None, "content": content or None,
+            "calls": [tuple(calls[i]) for i in sorted(calls)], "finish": reason}  # fmt: skip
 
 
 def test_reasoning_then_content(srv, http, think_end):
@@ -68,30 +78,33 @@ def test_reasoning_then_content(srv, http, think_end):
     text = raw_text(http, **bias)
     assert "</think>" in text  # the seed and bias end the reasoning part-way
     reasoning, _, content = text.partition("</think>")
+    want = {"reasoning": reasoning, "content": content or None, "calls": [], "finish": "length"}
     for stream in (False, True):
-        assert chat(srv, stream, **bias) == (reasoning or None, content or None, "length")
+        assert chat(srv, stream, **bias) == want
 
 
 def test_unfinished_reasoning_is_all_reasoning(srv, http):
     text = raw_text(http)
     assert "</think>" not in text
+    want = {"reasoning": text, "content": None, "calls": [], "finish": "length"}
     for stream in (False, True):
-        assert chat(srv, stream) == (text, None, "length")
+        assert chat(srv, stream) == want
 
 
-def test_structured_outputs_with_reasoning_refused(http):
-    """Until the engine can start a grammar after `</think>`, constraining the whole output
-    (the reasoning too) would be wrong: a 400 naming the field."""
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    cases = [
-        ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER_TOOL], "tool_choice": named}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
-    ]
-    for kw, param in cases:
-        r = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 5, **kw})
-        assert r.status_code == 400 and r.json()["error"]["param"] == param, (kw, r.text)
+def test_tool_choice_applies_after_the_reasoning(srv, http, think_end):
+    """tool_choice required with a reasoning parser: the reasoning is sampled free (the same
+    text as without any constraint), then the grammar forces the calls."""
+    bias = {"logit_bias": {str(think_end): 8}, "max_tokens": 100}
+    reasoning = raw_text(http, **bias).partition("</think>")[0]
+    schema = WEATHER_TOOL["function"]["parameters"]
+    kw = {**bias, "tools": [WEATHER_TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    got = chat(srv, False, **kw)
+    assert got["reasoning"] == reasoning and got["content"] is None
+    assert got["finish"] == "tool_calls" and got["calls"]
+    for name, args in got["calls"]:
+        assert name == "get_weather"
+        jsonschema.validate(json.loads(args), schema)
+    assert chat(srv, True, **kw) == got
 
 
 def test_qwen3_reads_the_prompt():
@@ -114,3 +127,14 @@ def test_qwen3_reads_the_prompt():
     st = on.streamer()
     deltas = [st.feed(c, False) for c in "<think>x</think>y"] + [st.feed("", True)]
     assert [d for d in deltas if d] == [{"reasoning_content": "x"}, {"content": "y"}]
+
+
+def test_structured_outputs_after_is_checked():
+    from paged.sampling.params import SamplingParams, StructuredOutputsParams
+
+    so = StructuredOutputsParams(json_object=True)
+    assert SamplingParams(structured_outputs=so, structured_outputs_after=[5]).validate() is None
+    for bad in ({"structured_outputs_after": [5]}, {"structured_outputs": so,
+                "structured_outputs_after": []}):  # fmt: skip
+        with pytest.raises(ValueError, match="structured_outputs_after"):
+            SamplingParams(**bad)

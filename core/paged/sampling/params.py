@@ -82,6 +82,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # The structured output starts once the output ends with these token ids (a reasoning
+    # model's end-of-thinking marker); None: from the first token.
+    structured_outputs_after: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # these words' token sequences are never completed
     best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
@@ -147,6 +150,12 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs_after is not None:
+            ids = self.structured_outputs_after
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                bad("structured_outputs_after", "must be a non-empty list of token ids >= 0")
+            if self.structured_outputs is None:
+                bad("structured_outputs_after", "needs structured_outputs")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not ids or any(not isinstance(t, int) or t < 0 for t in ids):

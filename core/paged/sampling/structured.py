@@ -119,6 +119,10 @@ class RequestMask:
     matcher: Any = None  # xgrammar.GrammarMatcher
     allowed: np.ndarray | None = None  # uint32 words
     bad_words: list[list[int]] = field(default_factory=list)
+    # The grammar waits until the output ends with these ids (structured_outputs_after: a
+    # reasoning parser's end marker); until then the matcher neither masks nor advances.
+    after: list[int] | None = None
+    tail: list[int] = field(default_factory=list)  # the last len(after) output ids
 
 
 class StructuredOutputs:
@@ -200,7 +204,8 @@ class StructuredOutputs:
                     import xgrammar as xgr
 
                     matcher = xgr.GrammarMatcher(compiled)
-                self.masks[s.request_id] = RequestMask(matcher, allowed, bad)
+                after = s.params.structured_outputs_after if matcher is not None else None
+                self.masks[s.request_id] = RequestMask(matcher, allowed, bad, after or None)
             if seqs:
                 done.append(seqs)
         return done, failed
@@ -279,7 +284,7 @@ class StructuredOutputs:
         words = bm.numpy().view(np.uint32)
         for k, req in enumerate(sampling):
             m = self.masks[req.request_id]
-            if m.matcher is not None and not m.matcher.is_terminated():
+            if m.matcher is not None and m.after is None and not m.matcher.is_terminated():
                 m.matcher.fill_next_token_bitmask(bm, k)
             if m.allowed is not None:
                 words[k] &= m.allowed
@@ -298,6 +303,11 @@ class StructuredOutputs:
         mask left nothing, e.g. against min_tokens), else None."""
         m = self.masks.get(request_id)
         if m is None or m.matcher is None:
+            return None
+        if m.after is not None:  # not started: watch for the marker
+            m.tail = [*m.tail, token][-len(m.after) :]
+            if m.tail == m.after:
+                m.after = None
             return None
         if m.matcher.is_terminated():
             return "done"

@@ -59,25 +59,31 @@ def _adjust(
     """What tool calling and reasoning change in the sampling: tool_choice "required" or a
     named function is enforced by structured outputs; structured outputs wait for the end of
     the reasoning; tags the tokenizer calls special are kept in the text for the parser."""
-    field = next((f for f in STRUCTURED_FIELDS if getattr(req, f, None) is not None), None)
-    if field == "response_format" and req.response_format.type == "text":
-        field = next((f for f in STRUCTURED_FIELDS[1:] if getattr(req, f) is not None), None)
     if parsing.schema is not None:
         if params.structured_outputs is not None:
-            msg = f"tool_choice: a required or named tool choice cannot be combined with {field}"
+            msg = "tool_choice: a required or named tool choice cannot be combined with "
+            msg += _structured_field(req)
             raise APIError(400, msg, "tool_choice")
         # Compact JSON: calls are read by programs, and free whitespace lets a model pad
         # without end.
         so = StructuredOutputsParams(json=parsing.schema, disable_any_whitespace=True)
-        params, field = dataclasses.replace(params, structured_outputs=so), "tool_choice"
+        params = dataclasses.replace(params, structured_outputs=so)
     if params.structured_outputs is not None and parsing.reasoning_end is not None:
-        # The engine would constrain the reasoning too: refused until it can defer the
-        # grammar to after the reasoning's end marker.
-        msg = f"{field}: structured outputs with --reasoning-parser are not supported yet"
-        raise APIError(400, msg, field)
+        # The reasoning stays free: the grammar starts after the end marker's tokens.
+        ids = sv.tokenizer.encode(parsing.reasoning_end, add_special_tokens=False)
+        params = dataclasses.replace(params, structured_outputs_after=ids)
     if params.skip_special_tokens and parsing.keep_special_tokens(sv.tokenizer):
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
+
+
+def _structured_field(req: ChatCompletionRequest) -> str:
+    """The field by which the request asked for a structured output."""
+    for f in STRUCTURED_FIELDS:
+        v = getattr(req, f, None)
+        if v is not None and not (f == "response_format" and v.type == "text"):
+            return f
+    return "structured_outputs"
 
 
 def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
