@@ -131,3 +131,12 @@ def test_cpu_platform_matches_hf(odd_head_models, head_dim, native):
     outs += llm.generate(prompts[1:], params, use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 12)
+
+
+def test_rocm_tiles_size_the_padded_head():
+    """ROCm's LDS-sized tiles count a 96-wide head as the 128 lanes its tiles occupy."""
+    from paged_rocm.tiles import choose_tiles
+
+    for lds in (64 * 1024, 160 * 1024):
+        assert choose_tiles(96, 2, lds, 64) == choose_tiles(128, 2, lds, 64)
+        assert choose_tiles(80, 2, lds, 64) == choose_tiles(128, 2, lds, 64)

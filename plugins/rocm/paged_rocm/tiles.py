@@ -38,8 +38,10 @@ def choose_tiles(head_dim: int, elem_size: int, lds_bytes: int, warp_size: int) 
     The pipelined K/V tiles get at most half the LDS (the Q tile, the online-softmax state and
     the compiler's scratch take the rest), two stages as AMD's stream pipeliner prefers.
     """
+    from paged.kernels.head_dims import head_pad
+
     stages = 2
-    per_key = 2 * head_dim * elem_size  # K and V bytes of one key
+    per_key = 2 * head_pad(head_dim) * elem_size  # K and V bytes of one key (tile width)
     block_n = min(128, max(16, _pow2_floor(lds_bytes // 2 // (per_key * stages))))
     warps = 4 if warp_size >= 64 else 8  # 256 lanes a program either way
     block_m = 64 if lds_bytes >= 96 * 1024 else 32
