@@ -100,3 +100,112 @@ def test_moe_tensor_parallel_matches_one_rank(models):
         finally:
             llm.engine.shutdown()
     assert outs[2] == outs[1]
+
+
+# --- GGUF: the same tiny models written as llama.cpp lays them out ------------------------
+
+_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+_EXPERT_PARTS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                 "down_proj": "down", "w2": "down"}  # fmt: skip
+
+
+def write_gguf(path: str, out: str, arch: str, stacked_experts: bool) -> str:
+    """The HF model at `path` as a llama.cpp GGUF of `arch` (llama: q/k rows permuted as
+    convert_hf_to_gguf does); experts stacked into ffn_*_exps [E, ...] or, as older Mixtral
+    files have them, one ffn_gate.E tensor each."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w = gguf.GGUFWriter(out, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_weights_norm(c.norm_topk_prob)
+    else:
+        w.add_feed_forward_length(c.intermediate_size)
+    stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, t in load_file(f"{path}/model.safetensors").items():
+        a = t.numpy()
+        parts = name.split(".")
+        if parts[1] != "layers":
+            w.add_tensor(f"{_GGUF['.'.join(parts[:-1])]}.{parts[-1]}", a)
+            continue
+        block, rest = parts[2], ".".join(parts[3:-1])
+        if ".experts." in name:  # ...experts.E.gate_proj.weight
+            e, part = int(parts[-3]), _EXPERT_PARTS[parts[-2]]
+            if stacked_experts:
+                stacks.setdefault((block, part), {})[e] = a
+            else:
+                w.add_tensor(f"blk.{block}.ffn_{part}.{e}.weight", a)
+            continue
+        if arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
+            a = a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2)
+            a = a.reshape(t.shape)
+        w.add_tensor(f"blk.{block}.{_GGUF[rest]}.{parts[-1]}", np.ascontiguousarray(a))
+    for (block, part), by_expert in stacks.items():
+        w.add_tensor(f"blk.{block}.ffn_{part}_exps.weight",
+                     np.stack([by_expert[e] for e in range(len(by_expert))]))  # fmt: skip
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, arch, stacked",
+    [("qwen3", "qwen3", True), ("qwen3_moe_unnorm", "qwen3moe", True), ("mixtral", "llama", False)],
+)
+def test_gguf_matches_hf(models, tmp_path, monkeypatch, kind, arch, stacked):
+    from transformers import AutoModelForCausalLM
+
+    from paged.model.loader import load_config, resolve_model
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = write_gguf(models[kind], str(tmp_path / f"{kind}.gguf"), arch, stacked)
+    cfg = load_config(resolve_model(gguf_path))
+    hf = AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32).eval()
+    assert cfg.architectures == hf.config.architectures
+    llm = LLM(gguf_path, dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[2:]], params, use_tqdm=False)
+        for p, o in zip(PROMPTS[2:], outs, strict=True):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, 12), (kind, len(p))
+    finally:
+        llm.engine.shutdown()

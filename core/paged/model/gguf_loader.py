@@ -15,7 +15,12 @@ from paged.model.loader import ModelLoadError, _show
 log = logging.getLogger(__name__)
 
 # general.architecture -> (transformers config class, architectures entry)
-ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),  # Mixtral too: a llama with expert_count > 0
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
     "attn_q": "self_attn.q_proj",
@@ -27,9 +32,18 @@ _BLOCK = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    # Mixture of experts: the router and the experts stacked [E, ...], yielded one expert
+    # at a time ("*" is the expert index)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.*.gate_proj",
+    "ffn_up_exps": "mlp.experts.*.up_proj",
+    "ffn_down_exps": "mlp.experts.*.down_proj",
 }
 _IGNORED = ("rope_freqs", "attn_rot_embd")  # derived buffers, not parameters
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
+_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files
 
 
 def _reader(path: str) -> Any:
@@ -102,8 +116,27 @@ def gguf_config(path: str) -> Any:
         pad_token_id=tok("padding_token_id"),
         architectures=[ARCHS[arch][1]],
     )
-    if arch == "llama":
+    if arch in ("llama", "qwen3", "qwen3moe"):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    config_cls = ARCHS[arch][0]
+    experts = get("expert_count")
+    if experts:
+        gating = get("expert_gating_func")
+        if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+            raise ModelLoadError(f"GGUF {arch}: expert gating function {gating} unsupported")
+        kwargs["num_experts_per_tok"] = get("expert_used_count")
+    if arch == "llama" and experts:
+        config_cls, kwargs["architectures"] = "MixtralConfig", ["MixtralForCausalLM"]
+        kwargs.update(num_local_experts=experts, sliding_window=None)
+    elif arch == "qwen3moe":
+        kwargs.update(
+            num_experts=experts,
+            moe_intermediate_size=get("expert_feed_forward_length"),
+            norm_topk_prob=bool(get("expert_weights_norm", True)),  # llama.cpp renormalises
+            decoder_sparse_step=1,  # every layer has experts in llama.cpp's qwen3moe
+            mlp_only_layers=[],
+        )
+        kwargs["intermediate_size"] = kwargs["intermediate_size"] or kwargs["moe_intermediate_size"]
     scaling, factor = get("rope.scaling.type"), get("rope.scaling.factor")
     if scaling in ("linear", "yarn") and factor:
         kwargs["rope_scaling"] = {"rope_type": scaling, "factor": factor}
@@ -115,11 +148,15 @@ def gguf_config(path: str) -> Any:
     if "rope_freqs.weight" in tensors:
         log.warning("GGUF has rope_freqs (llama3 rope scaling); paged ignores it")
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return getattr(transformers, ARCHS[arch][0])(**kwargs)
+    return getattr(transformers, config_cls)(**kwargs)
 
 
 def hf_name(gguf_name: str) -> str | None:
     """The HF parameter name of a llama.cpp tensor name, None for tensors to skip."""
+    m = _EXPERT.fullmatch(gguf_name)
+    if m is not None:
+        block, proj, expert = m.groups()
+        return f"model.layers.{block}.mlp.experts.{expert}.{proj}_proj.weight"
     m = _NAME.fullmatch(gguf_name)
     if m is not None:
         block, base, suffix = m.groups()
@@ -160,6 +197,10 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
         proj = name.split(".")[-2]
         if permute and proj in heads:
             w = unpermute(w, heads[proj])
+        if "*" in name:  # stacked experts [E, ...]: one HF tensor each
+            for e in range(w.shape[0]):
+                yield name.replace("*", str(e)), torch.from_numpy(w[e].copy())
+            continue
         if not (w.flags.writeable and w.flags.c_contiguous):
             w = w.copy()  # memory-mapped F32 tensors are read-only views of the file
         yield name, torch.from_numpy(w)
@@ -186,7 +227,7 @@ def iter_gguf_blocks(
         if kind not in _BLOCK_BYTES:
             continue
         name = hf_name(t.name)
-        if name is None:
+        if name is None or "*" in name:  # stacked experts stay dense
             continue
         k, n = (int(x) for x in t.shape)
         blocks = np.asarray(t.data).reshape(n, k // 32, _BLOCK_BYTES[kind])
