@@ -156,3 +156,67 @@ def test_chat_template_kwargs_and_continue_final_message(smollm):
     out = smollm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False,
                       add_generation_prompt=False, continue_final_message=True)[0]  # fmt: skip
     assert out.prompt.endswith("Hello th")
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory, tiny_models) -> str:
+    """A tiny Llama with 12 tokens: every 3-token continuation can be enumerated."""
+    import torch
+    import transformers as tf
+
+    path = str(tmp_path_factory.mktemp("vocab12") / "llama")
+    cfg = tf.LlamaConfig.from_pretrained(tiny_models["llama"], vocab_size=12)
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def _reference_beams(path: str, prompt: list[int], width: int, steps: int, ignore_eos: bool):
+    """Every continuation of `steps` tokens scored by HF (float32), then vLLM's beam rule:
+    keep the `width` best live ones per step, set aside those that end with EOS (1) unless
+    ignore_eos; rank by cumulative logprob / length (prompt included, a final EOS not)."""
+    eos = None if ignore_eos else 1
+    import itertools
+
+    import torch
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    seqs = torch.tensor([prompt + list(c) for c in itertools.product(range(12), repeat=steps)])
+    with torch.no_grad():
+        lp = hf(seqs).logits.log_softmax(-1)
+    p = len(prompt)
+    tok_lp = lp[:, p - 1 : -1].gather(2, seqs[:, p:, None]).squeeze(2)  # [N, steps]
+    cum = {tuple(s[p:].tolist()): tok_lp[i].cumsum(0).tolist() for i, s in enumerate(seqs)}
+    live, done = [()], []
+    for t in range(steps):
+        cand = [b + (k,) for b in live for k in range(12)]
+        score = {c: cum[c + (0,) * (steps - t - 1)][t] for c in cand}
+        done += [(c, score[c]) for c in cand if c[-1] == eos]
+        live = sorted((c for c in cand if c[-1] != eos), key=lambda c: -score[c])[:width]
+    ranked = done + [(b, cum[b][-1]) for b in live]
+    length = {c: p + len(c) - (c[-1] == 1) for c, _ in ranked}
+    ranked.sort(key=lambda cs: -cs[1] / length[cs[0]])
+    return ranked[:width]
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_beam_search_matches_a_brute_force_reference(small_vocab, ignore_eos):
+    from paged import BeamSearchParams
+
+    prompt, width, steps = [0, 5, 7, 3, 9], 3, 3
+    want = _reference_beams(small_vocab, prompt, width, steps, ignore_eos)
+    llm = _llm(small_vocab, enable_prefix_caching=True)
+    params = BeamSearchParams(beam_width=width, max_tokens=steps, ignore_eos=ignore_eos)
+    got = llm.beam_search([prompt], params)[0].sequences
+    assert [tuple(s.tokens[len(prompt) :]) for s in got] == [c for c, _ in want]
+    for s, (_, cum) in zip(got, want):
+        assert s.cum_logprob == pytest.approx(cum, abs=1e-4)
+    llm.engine.kv.check_invariants()
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=2)

@@ -8,9 +8,10 @@ from paged.hookspecs import hookimpl
 from paged.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "hookimpl", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "hookimpl", "__version__"]
 
 if TYPE_CHECKING:
+    from paged.engine.beam_search import BeamSearchParams
     from paged.engine.llm import LLM
 
 
@@ -19,4 +20,8 @@ def __getattr__(name: str):
         from paged.engine.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from paged.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(name)

@@ -96,7 +96,11 @@ def test_continuous_usage_stats(http, route):
     "extra, param",
     [
         ({"suffix": "and so on"}, "suffix"),
-        ({"use_beam_search": True}, "use_beam_search"),
+        ({"use_beam_search": True, "stream": True}, "use_beam_search"),
+        ({"use_beam_search": True, "temperature": 0.5}, "temperature"),
+        ({"use_beam_search": True, "temperature": 0, "top_p": 0.5}, "top_p"),
+        ({"use_beam_search": True, "temperature": 0, "n": 11}, "n"),
+        ({"length_penalty": 0.5}, "length_penalty"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ],
 )
@@ -121,3 +125,19 @@ def test_chat_template_options(http):
     ):
         r = http.post("/v1/chat/completions", json=body | extra)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_beam_search_matches_the_offline_api(http, smollm):
+    from paged import BeamSearchParams
+
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True,
+            "temperature": 0, "length_penalty": 0.5}  # fmt: skip
+    got = ok(http.post("/v1/completions", json=body))["choices"]
+    ids = ok(http.post("/tokenize", json={"prompt": PROMPT}))["tokens"]
+    want = smollm.beam_search([ids], BeamSearchParams(2, 4, length_penalty=0.5))[0].sequences
+    tok = smollm.get_tokenizer()
+    assert [c["text"] for c in got] == [tok.decode(s.tokens[len(ids) :]) for s in want]
+    chat_body = {k: v for k, v in body.items() if k != "prompt"}
+    chat_body["messages"] = [{"role": "user", "content": PROMPT}]
+    chat = ok(http.post("/v1/chat/completions", json=chat_body))
+    assert len(chat["choices"]) == 2 and chat["choices"][1]["message"]["content"]

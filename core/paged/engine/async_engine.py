@@ -117,6 +117,7 @@ def _core_main(
         pid=os.getpid(),
         platform=core.platform.name,
         dtype=core.config.dtype,
+        eos_token_ids=list(core.eos_token_ids),
     )
     send(m.Ready(info))
     stop = threading.Event()

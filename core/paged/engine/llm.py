@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from paged.config import EngineConfig
+from paged.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from paged.engine.core import EngineCore
 from paged.engine.outputs import (
     OutputState,
@@ -85,6 +86,34 @@ class LLM:
         ):
             prompts = [prompts]
         return self._run([self._tokenize(p) for p in prompts], sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search (paged.engine.beam_search): per prompt, the beam_width
+        best sequences, best first (tokens hold the prompt and the output)."""
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        eng = self.engine
+        searches = [
+            BeamSearch(self._tokenize(p)[1], params, eng.eos_token_ids, eng.max_model_len)
+            for p in prompts
+        ]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while live := [s for s in searches if not s.done]:
+            step = [(None, beam.tokens) for s in live for beam in s.live]
+            outs = iter(self._run(step, live[0].step_params(), use_tqdm=False))
+            for s in live:
+                entries = [next(outs).outputs[0].logprobs[0] for _ in s.live]
+                s.advance([{t: lp.logprob for t, lp in e.items()} for e in entries])
+            bar.update(1)
+        bar.close()
+        return [s.result(self.tokenizer) for s in searches]
 
     def chat(
         self,

@@ -51,6 +51,7 @@ class EngineInfo(msgspec.Struct, **_WIRE):
     pid: int
     platform: str
     dtype: str
+    eos_token_ids: list[int] = []  # the model's end-of-sequence ids (beam search sets aside)
 
 
 # ---- server -> core ----------------------------------------------------------------------

@@ -116,6 +116,8 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True  # slow tokenizers (fast ones never add them)
+    use_beam_search: bool = False  # n is the beam width (server/beam.py)
+    length_penalty: float = 1.0  # beam ranking: cumulative logprob / length ** length_penalty
     user: str | None = None  # accepted, ignored
     # Structured outputs (docs/structured.md): at most one of these five.
     response_format: ResponseFormat | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from paged.engine.outputs import OutputState
 from paged.sampling.params import SamplingParams, StructuredOutputsParams
+from paged.server.beam import beam_response, check_beam_request, run_beam_search
 from paged.server.chat_parsing import ChatParsing, ChatStreamer, ParsingOptions
 from paged.server.errors import APIError
 from paged.server.logprobs import Pending, chat_logprobs
@@ -33,6 +34,7 @@ async def create_chat_completion(
     sv: Serving, req: ChatCompletionRequest
 ) -> dict[str, Any] | SSEResponse:
     sv.check_model(req.model)
+    check_beam_request(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     both = req.max_tokens is not None and req.max_completion_tokens is not None
@@ -48,6 +50,9 @@ async def create_chat_completion(
     params = _adjust(sv, req, parsing, params)
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
+    if req.use_beam_search:  # n best beams (server/beam.py)
+        beams = await run_beam_search(sv, rid, prompt, req)
+        return beam_response(sv, req, rid, prompt, beams, True)
     if req.stream:
         return SSEResponse(_stream(sv, req, rid, prompt, parsing))
     return await _full(sv, req, rid, prompt, parsing)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from paged.engine.outputs import OutputState, with_best_of_logprobs
+from paged.server.beam import beam_response, check_beam_request, run_beam_search
 from paged.server.errors import APIError
 from paged.server.logprobs import CompletionLogprobs, Pending, join_logprobs, prompt_logprobs
 from paged.server.protocol import CompletionRequest
@@ -33,6 +35,7 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
         raise APIError(400, f"best_of: must be at least n ({req.n})", "best_of")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise APIError(400, "best_of: not supported with stream (as in vLLM)", "best_of")
+    check_beam_request(req)
     params = with_best_of_logprobs(sv.params(req, req.max_tokens, req.logprobs))
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
@@ -60,9 +63,28 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
             ids, text = ids[-keep:], None
         prompts.append(sv.fit(text, ids, params, "prompt"))
     rid = new_id("cmpl")
+    if req.use_beam_search:
+        return await _beam(sv, req, rid, prompts)
     if req.stream:
         return SSEResponse(_stream(sv, req, rid, prompts))
     return await _full(sv, req, rid, prompts)
+
+
+async def _beam(
+    sv: Serving, req: CompletionRequest, rid: str, prompts: list[Prompt]
+) -> dict[str, Any]:
+    """use_beam_search: each prompt's n best beams, prompt by prompt in the choices."""
+    found = await asyncio.gather(*(run_beam_search(sv, rid, p, req) for p in prompts))
+    parts = [beam_response(sv, req, rid, p, beams, False) for p, beams in zip(prompts, found)]
+    out = parts[0]
+    out["choices"] = [c | {"index": k * req.n + c["index"]}
+                      for k, part in enumerate(parts) for c in part["choices"]]  # fmt: skip
+    out["usage"] = usage(
+        sum(len(p.ids) for p in prompts),
+        sum(part["usage"]["completion_tokens"] for part in parts),
+        0,
+    )
+    return out
 
 
 def _prompt_text(sv: Serving, p: Prompt) -> str:
