@@ -38,6 +38,12 @@ TOOL_CASES = [
         [("f", TRICKY)],
     ),
     ("hermes", '<tool_call>\n{"name": "f"}\n</tool_call>\nDone.', "Done.", [("f", "{}")]),
+    (
+        "hermes",
+        'Hi.\n<tool_call>{"name": "f"}</tool_call> \n<tool_call>{"name": "g"}</tool_call>\nBye.\n',
+        "Hi.\n\nBye.\n",
+        [("f", "{}"), ("g", "{}")],
+    ),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}', None, [("f", "{}")]),  # unclosed
     (
         "hermes",

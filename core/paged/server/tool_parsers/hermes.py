@@ -27,6 +27,8 @@ class HermesToolParser(ToolParser):
             content, body = split_tagged(rest, START, final)
             if out.calls:  # whitespace right after a call separates; it is not content
                 content = content.lstrip(WS)
+                if content and out.content:  # text on both sides of calls: two paragraphs
+                    content = "\n\n" + content
             out.content += content
             if body is None:
                 break
