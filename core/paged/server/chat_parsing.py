@@ -127,7 +127,8 @@ class ChatParsing:
         self.eos_text = tok.eos_token or None
         return True
 
-    def _cut_eos(self, text: str) -> str:
+    def cut_eos(self, text: str) -> str:
+        """The text without a final end-of-sequence token (kept with special tokens)."""
         return text.removesuffix(self.eos_text) if self.eos_text else text
 
     @property
@@ -153,7 +154,7 @@ class ChatParsing:
     def message(self, text: str) -> tuple[dict[str, Any], bool]:
         """The non-streamed message, and whether it holds tool calls."""
         msg: dict[str, Any] = {"role": "assistant"}
-        text = self._cut_eos(text)
+        text = self.cut_eos(text)
         content: str | None = text
         if self.reasoning is not None:
             msg["reasoning_content"], content = self.reasoning.extract(text)
@@ -190,7 +191,7 @@ class ChatStreamer:
 
     def feed(self, delta: str, final: bool) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        content = delta = self.parsing._cut_eos(delta) if final else delta
+        content = delta = self.parsing.cut_eos(delta) if final else delta
         if self.reasoning is not None:
             reasoning, content = self.reasoning.feed(delta, final)
             if reasoning:
