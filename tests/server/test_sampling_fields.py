@@ -141,3 +141,19 @@ def test_beam_search_matches_the_offline_api(http, smollm):
     chat_body["messages"] = [{"role": "user", "content": PROMPT}]
     chat = ok(http.post("/v1/chat/completions", json=chat_body))
     assert len(chat["choices"]) == 2 and chat["choices"][1]["message"]["content"]
+
+
+def test_n_samples_compute_the_prompt_once_in_metrics(http):
+    import uuid
+
+    def counter(name: str) -> float:
+        line = next(ln for ln in http.get("/metrics").text.splitlines()
+                    if ln.startswith(f"paged:{name}_total{{"))  # fmt: skip
+        return float(line.rsplit(" ", 1)[1])
+
+    prompt = f"{uuid.uuid4().hex} is a word nobody has cached yet, so"  # no prefix-cache hit
+    before = counter("prompt_tokens_computed"), counter("prompt_tokens")
+    got = ok(http.post("/v1/completions", json=BASE | {"prompt": prompt, "n": 4, "seed": 3}))
+    n = got["usage"]["prompt_tokens"]
+    assert counter("prompt_tokens") - before[1] == n
+    assert counter("prompt_tokens_computed") - before[0] == n  # once, not 4 times

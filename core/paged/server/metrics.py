@@ -33,6 +33,11 @@ _ENGINE = {
     "prefix_cache_queries": ("paged:prefix_cache_queries", "prompt tokens looked up", 1),
     "prefix_cache_hits": ("paged:prefix_cache_hits", "prompt tokens found in the cache", 1),
     "prompt_tokens": ("paged:prompt_tokens", "prompt tokens received", 1),
+    "prompt_tokens_computed": (
+        "paged:prompt_tokens_computed",
+        "prompt tokens the model computed (prefix-cache hits and the n - 1 forked samples not)",
+        1,
+    ),
     "generation_tokens": ("paged:generation_tokens", "tokens generated", 1),
     "num_preemptions": ("paged:num_preemptions", "requests preempted for lack of blocks", 1),
 }
