@@ -209,3 +209,20 @@ def test_gguf_matches_hf(models, tmp_path, monkeypatch, kind, arch, stacked):
             assert o.outputs[0].token_ids == hf_greedy(hf, p, 12), (kind, len(p))
     finally:
         llm.engine.shutdown()
+
+
+def test_platform_without_dynamic_shapes_refuses_moe_at_start_up(models, monkeypatch):
+    from paged_cpu.platform import CpuPlatform
+
+    class StaticShapes(CpuPlatform):  # as paged-tpu declares itself
+        name = "static-shapes"
+        unsupported_features = frozenset({"dynamic_shapes"})
+
+    monkeypatch.setattr("paged.engine.core.select_platform", lambda name=None: StaticShapes())
+    for kind, arch in (("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")):
+        with pytest.raises(ValueError, match=f"{arch} cannot run on platform static-shapes"):
+            LLM(models[kind], dtype="float32")
+    llm = LLM(models["qwen3"], dtype="float32", kv_cache_memory="8MiB")  # dense: runs
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert len(llm.generate([{"prompt_token_ids": [3, 4]}], params)[0].outputs[0].token_ids) == 2
+    llm.engine.shutdown()

@@ -83,6 +83,10 @@ class Platform:
     pin_memory: ClassVar[bool] = False
     # Launch step N+1 while step N runs (devices that compute asynchronously to the host).
     overlap_steps: ClassVar[bool] = False
+    # What this platform cannot run, by name; a model class lists what it needs in its
+    # `requires` (e.g. "dynamic_shapes": matmuls sized by data, as mixture-of-experts routing
+    # does) and is refused at start-up on a platform lacking one (paged.model.registry).
+    unsupported_features: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def probe(cls) -> str | None:

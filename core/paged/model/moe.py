@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -127,6 +128,9 @@ def check_silu(cfg) -> None:
 class MoECausalLM(LlamaForCausalLM):
     """A Llama-shaped model whose layers `make_layer` builds (some or all with a SparseMoE);
     loads per-expert checkpoint tensors into the stacked experts."""
+
+    # The experts' matmuls are sized by how many tokens the router sends each one.
+    requires: ClassVar[frozenset[str]] = frozenset({"dynamic_shapes"})
 
     def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
         check_silu(cfg)

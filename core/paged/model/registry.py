@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from paged.plugins import extra_models
 
 
@@ -15,3 +17,16 @@ def model_class(hf_config) -> type:
         f"unsupported model architecture {archs or '(none given)'}; "
         f"supported: {', '.join(sorted(models))}"
     )
+
+
+def check_supported(hf_config, platform: Any) -> None:
+    """Refuse, naming the architecture, a model that needs a feature (its class's `requires`)
+    the platform lists in `unsupported_features`."""
+    cls = model_class(hf_config)
+    lacking = sorted(set(getattr(cls, "requires", ())) & set(platform.unsupported_features))
+    if lacking:
+        arch = next(a for a in hf_config.architectures if extra_models().get(a) is cls)
+        raise ValueError(
+            f"model architecture {arch} cannot run on platform {platform.name}: it needs "
+            f"{', '.join(lacking)}, which {platform.name} does not support"
+        )

@@ -24,6 +24,7 @@ from paged.distributed import (
     init_distributed,
     init_distributed_watched,
 )
+from paged.model.registry import check_supported
 from paged.plugins import select_platform
 from paged.worker.input_buffers import HEADER
 from paged.worker.model_runner import STOP, ModelRunner
@@ -59,6 +60,7 @@ def resolve_config(config: EngineConfig, platform: Any, hf_config: Any) -> Engin
         log.info("pipeline parallel: steps run eagerly (no graph capture)")
         changes["enforce_eager"] = True
     resolved = replace(config, **changes)
+    check_supported(hf_config, platform)
     platform.check_config(resolved)
     return resolved
 

@@ -69,6 +69,7 @@ class TpuPlatform(Platform):
     priority = 90
     dist_backend = "xla"  # torch.distributed backend registered by torch_xla (see dist.py)
     supported_dtypes = (torch.bfloat16, torch.float32)
+    unsupported_features = frozenset({"dynamic_shapes"})  # one compiled program per bucket
     options = (
         PlatformOption(
             "tpu_attention",
