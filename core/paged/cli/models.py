@@ -26,10 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def model_rows() -> list[ModelRow]:
     """One row per architecture, in the registry's precedence (a later plugin overrides)."""
-    from paged.model.gguf_loader import ARCHS
+    from paged.model.gguf_loader import ARCHS, MOE_ARCHS
     from paged.plugins import _hook_results
 
-    gguf = {arch for _, arch in ARCHS.values()}
+    gguf = {arch for _, arch in (*ARCHS.values(), *MOE_ARCHS.values())}
     rows: dict[str, ModelRow] = {}
     for dist, group in _hook_results("paged_models"):
         for arch, cls in (group or {}).items():

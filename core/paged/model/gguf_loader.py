@@ -16,11 +16,13 @@ log = logging.getLogger(__name__)
 
 # general.architecture -> (transformers config class, architectures entry)
 ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),  # Mixtral too: a llama with expert_count > 0
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+# general.architecture -> the same for files with {arch}.expert_count > 0
+MOE_ARCHS = {"llama": ("MixtralConfig", "MixtralForCausalLM")}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
     "attn_q": "self_attn.q_proj",
@@ -125,8 +127,8 @@ def gguf_config(path: str) -> Any:
         if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
             raise ModelLoadError(f"GGUF {arch}: expert gating function {gating} unsupported")
         kwargs["num_experts_per_tok"] = get("expert_used_count")
-    if arch == "llama" and experts:
-        config_cls, kwargs["architectures"] = "MixtralConfig", ["MixtralForCausalLM"]
+    if arch in MOE_ARCHS and experts:
+        config_cls, kwargs["architectures"] = MOE_ARCHS[arch][0], [MOE_ARCHS[arch][1]]
         kwargs.update(num_local_experts=experts, sliding_window=None)
     elif arch == "qwen3moe":
         kwargs.update(
