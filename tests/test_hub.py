@@ -34,14 +34,11 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, tiny_models, default_model_path) -> Path:
-    """A cache as huggingface_hub lays it out: org/tiny (main, branch v1: another model),
+    """A cache as huggingface_hub lays it out: org/tiny (main; branch v1: another model),
     org/bare (config only), org/smol-GGUF (two GGUF files)."""
-    from conftest import make_tiny
-
     root = tmp_path_factory.mktemp("hf-cache")
-    other = make_tiny("llama", str(root / "other"), seed=1)
     repo = root / "models--org--tiny"
-    for rev, src in ((MAIN, tiny_models["llama"]), (V1, other)):
+    for rev, src in ((MAIN, tiny_models["llama"]), (V1, tiny_models["qwen2"])):
         shutil.copytree(src, repo / "snapshots" / rev)
         save_word_tokenizer(repo / "snapshots" / rev, 320)
     (repo / "refs").mkdir()

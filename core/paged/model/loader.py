@@ -83,6 +83,8 @@ def resolve_model(
             f"load_format {_show(load_format)} is not one of {', '.join(LOAD_FORMATS)}"
         )
     if model is None:
+        if revision is not None:
+            raise ModelLoadError("revision applies to Hub ids only; no model was given")
         src = ModelSource(default_model_path(), "gguf", DEFAULT_FILE.split(".")[0])
         return _check_format(src, load_format)
     path = os.path.abspath(os.path.expanduser(model))
