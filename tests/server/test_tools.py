@@ -187,6 +187,10 @@ def test_auto_passes_a_plain_answer_through(oai):
         assert got == (want or None, [], "stop")
 
 
+BAD_TOOL = {"type": "function", "function": {"name": "bad", "parameters": {"type": "strnig"}}}
+NAMED_BAD = {"type": "function", "function": {"name": "bad"}}
+
+
 def test_tool_request_errors(oai):
     import openai
 
@@ -195,6 +199,11 @@ def test_tool_request_errors(oai):
         ({"tools": openai.NOT_GIVEN, "tool_choice": "required"}, "tool_choice"),
         ({"tools": []}, "tools"),
         ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools"),
+        ({"tools": [TIME_TOOL, BAD_TOOL], "tool_choice": "required"}, "tools"),
+        (
+            {"tools": [TIME_TOOL, BAD_TOOL], "tool_choice": NAMED_BAD},
+            "tools[1].function.parameters",
+        ),
         (
             {"tools": [{"type": "function", "function": {"description": "no name"}}]},
             "tools[0].function.name",

@@ -99,9 +99,12 @@ class ChatParsing:
         self.choice = choice
         self.tool_parser: ToolParser | None = None
         self.schema: dict[str, Any] | None = None  # what structured outputs must enforce
+        self.schema_field = "tools"  # where the schema came from (errors name it)
         if isinstance(choice, NamedToolChoice):
             self.tool_parser = NamedToolParser(choice.function.name)
             self.schema = named_schema(req, choice.function.name)
+            names = [t.function.name for t in req.tools or []]
+            self.schema_field = f"tools[{names.index(choice.function.name)}].function.parameters"
         elif choice == "required":
             self.tool_parser = RequiredToolParser()
             self.schema = required_schema(req)

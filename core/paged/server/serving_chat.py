@@ -9,9 +9,10 @@ from typing import Any
 
 from paged.engine.outputs import OutputState
 from paged.sampling.params import SamplingParams, StructuredOutputsParams
+from paged.sampling.structured import check_spec
 from paged.server.beam import beam_response, check_beam_request, run_beam_search
 from paged.server.chat_parsing import ChatParsing, ChatStreamer, ParsingOptions
-from paged.server.errors import APIError
+from paged.server.errors import APIError, bad_request
 from paged.server.logprobs import Pending, chat_logprobs
 from paged.server.protocol import ChatCompletionRequest
 from paged.server.serving import (
@@ -72,6 +73,10 @@ def _adjust(
         # Compact JSON: calls are read by programs, and free whitespace lets a model pad
         # without end.
         so = StructuredOutputsParams(json=parsing.schema, disable_any_whitespace=True)
+        try:
+            check_spec(so, parsing.schema_field)  # an invalid schema names the tool
+        except ValueError as e:
+            raise bad_request(e) from None
         params = dataclasses.replace(params, structured_outputs=so)
     if params.structured_outputs is not None and parsing.reasoning_end is not None:
         # The reasoning stays free: the grammar starts after the end marker's tokens.
