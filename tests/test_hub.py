@@ -190,3 +190,8 @@ def test_paged_serve_hub_id_offline(offline, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_missing_file_is_not_taken_for_a_hub_id(offline):
+    with pytest.raises(ModelLoadError, match="not found"):
+        resolve_model("models/missing.gguf")

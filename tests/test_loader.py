@@ -247,7 +247,7 @@ def test_bad_paths(tmp_path):
     with pytest.raises(ModelLoadError, match="not found") as e:
         resolve_model(str(tmp_path / "missing\x1b[31m"))
     assert "\x1b" not in str(e.value)  # user input is quoted, not echoed raw
-    with pytest.raises(ModelLoadError, match="not in the Hugging Face cache"):  # offline
+    with pytest.raises(ModelLoadError, match="nor in the Hugging Face cache"):  # offline
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

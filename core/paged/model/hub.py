@@ -41,8 +41,8 @@ _TRUTHY = {"1", "on", "yes", "true"}
 def parse_hub_id(model: str) -> tuple[str, str | None] | None:
     """(repo id, GGUF tag or None) when `model` reads as `org/name[:tag]`, else None."""
     m = _HUB_ID.fullmatch(model)
-    if m is None or ".." in m["repo"]:
-        return None
+    if m is None or ".." in m["repo"] or m["repo"].lower().endswith((".gguf", ".safetensors")):
+        return None  # a missing file, not a repo
     return m["repo"], m["tag"]
 
 
@@ -86,7 +86,7 @@ def resolve_hub(
         if found is not None:
             return found
     if hub_offline():
-        where = "is not" if snapshot is None else "is incomplete"
+        where = "is neither a local path nor" if snapshot is None else "is incomplete"
         raise ModelLoadError(
             f"model {_show(model)} (revision {rev}) {where} in the Hugging Face cache at "
             f"{_show(cache)} and HF_HUB_OFFLINE is set: fetch it first where the Hub is "
