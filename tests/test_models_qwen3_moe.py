@@ -226,3 +226,17 @@ def test_platform_without_dynamic_shapes_refuses_moe_at_start_up(models, monkeyp
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert len(llm.generate([{"prompt_token_ids": [3, 4]}], params)[0].outputs[0].token_ids) == 2
     llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("shape, billions", [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 30.53)])
+def test_named_shapes_build_with_the_published_parameter_counts(shape, billions):
+    """The --load-format dummy shapes for benchmarks (built on the meta device: no memory)."""
+    from unittest.mock import MagicMock
+
+    from paged.model.registry import model_class
+    from paged.model.shapes import shape_config
+
+    cfg = shape_config(shape)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, MagicMock(), 4096)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
