@@ -1,0 +1,81 @@
+"""The fused-MoE Triton kernel (paged/kernels/moe.py) against the grouped torch path it
+replaces (paged.model.ops.fused_moe), one Qwen3-30B-A3B layer's experts in bfloat16:
+
+    python bench/moe_kernel.py [--tokens 1,8,64,256,2048] [--experts 128 --top-k 8
+                                --hidden 2048 --inter 768]
+
+Needs CUDA (exits cleanly without it). Per token count: median time of each (triton's
+do_bench, L2 flushed), the kernel inside a CUDA graph (it has no host sync, so it can be
+captured), the bytes of the experts the batch routes to (each read once) over the kernel's
+time, the relative error against the torch path. Results: bench/results/moe-kernel.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,8,64,256,2048")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    from common import write_results
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from paged.kernels.moe import fused_moe
+    from paged.model.moe import route
+    from paged.model.ops import fused_moe as torch_moe
+
+    e, k, h, i = args.experts, args.top_k, args.hidden, args.inter
+    dt, dev = torch.bfloat16, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt, generator=gen) * 0.02
+    w2 = torch.randn(e, h, i, device=dev, dtype=dt, generator=gen) * 0.02
+    gate = torch.randn(e, h, device=dev, dtype=dt, generator=gen) * 0.02
+    per_expert = 3 * h * i * 2  # bytes of one expert's three matrices
+    rows, figures = [], {}
+    print(f"{'tokens':>7} {'experts hit':>11} {'triton us':>10} {'graph us':>9} "
+          f"{'GB/s':>6} {'torch us':>9} {'speed-up':>8} {'rel err':>8}")  # fmt: skip
+    for t in (int(x) for x in args.tokens.split(",")):
+        x = torch.randn(t, h, device=dev, dtype=dt, generator=gen)
+        weights, ids = route(x @ gate.t(), k, renormalize=True, dtype=dt)
+        hit = int(ids.unique().numel())
+        run = partial(fused_moe, x, w13, w2, weights, ids)
+        ref = partial(torch_moe, x, w13, w2, weights, ids)
+        got, want = run(), ref()
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        ms = do_bench(run, return_mode="median")
+        graph_ms = do_bench_cudagraph(run, return_mode="median")
+        ref_ms = do_bench(ref, return_mode="median")
+        gbs = hit * per_expert / ms / 1e6
+        print(f"{t:>7} {hit:>11} {ms * 1e3:>10.1f} {graph_ms * 1e3:>9.1f} {gbs:>6.0f} "
+              f"{ref_ms * 1e3:>9.1f} {ref_ms / ms:>7.2f}x {err:>8.1e}", flush=True)  # fmt: skip
+        figures[t] = dict(experts_hit=hit, triton_ms=ms, graph_ms=graph_ms, torch_ms=ref_ms,
+                          gb_per_s=gbs, rel_err=err)  # fmt: skip
+        result = (
+            f"triton {ms * 1e3:.1f} us (graph {graph_ms * 1e3:.1f} us, {gbs:.0f} GB/s), "
+            f"torch {ref_ms * 1e3:.1f} us, {ref_ms / ms:.2f}x, rel err {err:.1e}"
+        )
+        rows.append((f"{t} tokens ({hit} experts hit)", result))
+    shape = f"E={e} top-{k} hidden {h} inter {i} bf16"
+    extra = {"shape": shape, "device": torch.cuda.get_device_name(0), "tokens": figures}
+    write_results("moe-kernel.md", f"fused MoE, {shape}", rows, extra)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
