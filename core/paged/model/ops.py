@@ -85,20 +85,24 @@ def fused_moe(
     return out
 
 
+_BANNED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def apply_token_bitmask(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None
 ) -> None:
     """Set to -inf, in place, the logits of rows `rows` [k] (None: all, in order) whose bit is
     clear in `bitmask` (int32 [k, ceil(V/32)]; token t is bit t % 32 of word t // 32, as
     xgrammar packs it). A platform may replace this with its own kernel (Platform.ops())."""
-    vocab = logits.shape[-1]
-    nbits = bitmask.shape[-1] * 32
-    # Little-endian bytes: byte b of a row holds tokens 8b .. 8b+7, lowest bit first.
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    bits = bitmask.contiguous().view(torch.uint8).unsqueeze(-1).bitwise_right_shift(shifts)
-    banned = (bits & 1).view(bitmask.shape[0], nbits)[:, :vocab] == 0
-    if nbits < vocab:
-        banned = torch.nn.functional.pad(banned, (0, vocab - nbits), value=False)
+    table = _BANNED_BITS.get(bitmask.device)
+    if table is None:  # byte value -> its 8 bits, lowest first, True where clear
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = _BANNED_BITS[bitmask.device] = (bits == 0).to(bitmask.device)
+    k, vocab = bitmask.shape[0], logits.shape[-1]
+    # Little-endian bytes: byte b of a row holds tokens 8b .. 8b+7.
+    banned = table[bitmask.contiguous().view(torch.uint8).long()].view(k, -1)[:, :vocab]
+    if banned.shape[1] < vocab:  # ids past the bitmask stay as they are
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=False)
     if rows is None:
         logits.masked_fill_(banned, float("-inf"))
         return

@@ -145,6 +145,7 @@ class StructuredOutputs:
         self._compiler: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._max_workers = max_workers
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, once there are matchers
         self.pending: dict[str, tuple[list[Any], Future]] = {}  # first id -> (sequences, job)
         self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
 
@@ -282,10 +283,20 @@ class StructuredOutputs:
             return None
         bm = torch.full((len(sampling), words_of(self.vocab_size)), -1, dtype=torch.int32)
         words = bm.numpy().view(np.uint32)
-        for k, req in enumerate(sampling):
-            m = self.masks[req.request_id]
-            if m.matcher is not None and m.after is None and not m.matcher.is_terminated():
-                m.matcher.fill_next_token_bitmask(bm, k)
+        masks = [self.masks[r.request_id] for r in sampling]
+        live = [
+            (k, m.matcher)
+            for k, m in enumerate(masks)
+            if m.matcher is not None and m.after is None and not m.matcher.is_terminated()
+        ]
+        if live:  # one call: xgrammar fills the rows in C++ threads
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher()
+            rows, matchers = zip(*live)
+            self._batch.batch_fill_next_token_bitmask(list(matchers), bm, list(rows))
+        for k, (req, m) in enumerate(zip(sampling, masks)):
             if m.allowed is not None:
                 words[k] &= m.allowed
             if m.bad_words:
