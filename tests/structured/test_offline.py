@@ -187,3 +187,18 @@ def test_preemption_keeps_matchers_and_stop_strings_free_them(tiny_smol, llm):
     out = tight.generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == "{"
     no_leak(tight)
+
+
+def test_compile_failure_in_the_core_rejects_the_request(llm, monkeypatch):
+    """A spec that parses but fails to compile in the core's pool: the request is rejected
+    with the field named, others are unaffected, nothing leaks."""
+
+    def boom(sp):
+        raise RuntimeError("[12:00:00] /x/compiler.cc:1: out of grammar budget")
+
+    monkeypatch.setattr(llm.engine.structured, "_compile", boom)
+    with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: out of grammar budget"):
+        llm.generate([PROMPT], so(regex="[0-9]+"), use_tqdm=False)
+    no_leak(llm)
+    monkeypatch.undo()
+    assert llm.generate([PROMPT], so(choice=["ok"]), use_tqdm=False)[0].outputs[0].text == "ok"
