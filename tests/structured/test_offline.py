@@ -202,3 +202,41 @@ def test_compile_failure_in_the_core_rejects_the_request(llm, monkeypatch):
     no_leak(llm)
     monkeypatch.undo()
     assert llm.generate([PROMPT], so(choice=["ok"]), use_tqdm=False)[0].outputs[0].text == "ok"
+
+
+def test_compiling_request_waits_without_stalling_others_and_aborts_cleanly(llm, monkeypatch):
+    """While a grammar compiles, the request is not scheduled and the others run; aborted
+    while compiling, it leaves nothing behind."""
+    import threading
+
+    from paged.engine.core import EngineCore
+
+    engine: EngineCore = llm.engine
+    release = threading.Event()
+    compile_ = engine.structured._compile
+
+    def held(sp):
+        release.wait(60)
+        return compile_(sp)
+
+    monkeypatch.setattr(engine.structured, "_compile", held)
+    ids = llm.tokenizer(PROMPT).input_ids
+    engine.add_request("held", ids, so(regex="[0-9]{4}"))
+    engine.add_request("aborted", ids, so(regex="[a-z]{4}"))
+    engine.add_request("plain", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.abort(["aborted"])
+    done: dict[str, list[int]] = {"held": [], "plain": [], "aborted": []}
+    finished = set()
+    while "plain" not in finished:
+        for eo in engine.step():
+            done[eo.request_id] += eo.new_token_ids
+            if eo.finished:
+                finished.add(eo.request_id)
+    assert len(done["plain"]) == 4 and not done["held"] and "held" in engine.structured.pending
+    release.set()
+    while engine.has_unfinished():
+        for eo in engine.step():
+            done[eo.request_id] += eo.new_token_ids
+    assert len(done["held"]) == 5 and not done["aborted"]  # four digits, then end of sequence
+    assert llm.tokenizer.decode(done["held"][:4]).isdigit()
+    no_leak(llm)
