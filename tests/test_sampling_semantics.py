@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from paged import LLM, SamplingParams
@@ -220,3 +222,23 @@ def test_beam_search_matches_a_brute_force_reference(small_vocab, ignore_eos):
     llm.engine.kv.check_invariants()
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=2)
+
+
+def test_stream_honours_output_kind(llm):
+    from paged.sampling.params import RequestOutputKind as Kind
+
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    want = llm.generate(PROMPT, p, use_tqdm=False)[0].outputs[0]
+    got = {}
+    for kind in Kind:
+        outs = list(llm.stream([PROMPT], dataclasses.replace(p, output_kind=kind)))
+        got[kind] = [o.outputs[0] for o in outs]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert [len(o.token_ids) for o in got[Kind.CUMULATIVE]] == [1, 2, 3, 4, 5, 6]
+    assert [t for o in got[Kind.DELTA] for t in o.token_ids] == want.token_ids
+    assert all(len(o.token_ids) == 1 and len(o.logprobs) == 1 for o in got[Kind.DELTA])
+    assert len(got[Kind.FINAL_ONLY]) == 1
+    for final in (got[Kind.CUMULATIVE][-1], got[Kind.FINAL_ONLY][0]):
+        assert final.token_ids == want.token_ids and final.logprobs == want.logprobs
+    with pytest.raises(ValueError, match="best_of"):
+        next(llm.stream([PROMPT], SamplingParams(n=1, best_of=2)))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -13,6 +14,7 @@ from paged.config import EngineConfig
 from paged.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from paged.engine.core import EngineCore
 from paged.engine.outputs import (
+    Logprob,
     OutputState,
     RequestMetrics,
     RequestOutput,
@@ -21,7 +23,7 @@ from paged.engine.outputs import (
     with_best_of_logprobs,
 )
 from paged.engine.request import Request, sample_params, sequence_ids
-from paged.sampling.params import SamplingParams
+from paged.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("paged")
 
@@ -43,8 +45,6 @@ def load_chat_template(template: str | None) -> str | None:
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs`: EngineConfig fields, and the platforms' options (``cpu_native=False``)."""
-        import dataclasses
-
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         options = dict(kwargs.pop("platform_options", None) or {})
         options.update({k: kwargs.pop(k) for k in list(kwargs) if k not in fields})
@@ -81,11 +81,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Final outputs, in the prompts' order (whatever each request's output_kind, as vLLM's
+        LLM.generate; stream() honours it)."""
+        prompts = self._normalize(prompts)
+        return self._run([self._tokenize(p) for p in prompts], sampling_params, use_tqdm)
+
+    @staticmethod
+    def _normalize(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]
-        return self._run([self._tokenize(p) for p in prompts], sampling_params, use_tqdm)
+            return [prompts]
+        return list(prompts)
 
     def beam_search(
         self,
@@ -95,10 +102,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's offline beam search (paged.engine.beam_search): per prompt, the beam_width
         best sequences, best first (tokens hold the prompt and the output)."""
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = self._normalize(prompts)
         eng = self.engine
         searches = [
             BeamSearch(self._tokenize(p)[1], params, eng.eos_token_ids, eng.max_model_len)
@@ -143,18 +147,82 @@ class LLM:
             prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
         return self._run(prompts, sampling_params, use_tqdm)
 
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """RequestOutputs as the engine produces them, per each request's output_kind:
+        CUMULATIVE (everything so far), DELTA (the new tokens and text of the sequence that
+        moved), FINAL_ONLY (once, finished). generate() returns the final outputs, as vLLM's."""
+        prompts = self._normalize(prompts)
+        params = self._params(sampling_params, len(prompts))
+        if any(p.num_sequences > p.n for p in params):
+            raise ValueError("best_of: the n best are known only at the end; use generate()")
+        kinds: dict[str, RequestOutputKind] = {}
+        tokenized = [self._tokenize(p) for p in prompts]
+        for res, st, sts, done in self._drive(tokenized, params, False, kinds):
+            kind = kinds[res.request_id]
+            if done or kind != RequestOutputKind.FINAL_ONLY:
+                yield self._snapshot(res, st, sts, done, kind)
+
+    def _snapshot(
+        self, res: RequestOutput, st: OutputState, sts: list[OutputState], done: bool, kind
+    ) -> RequestOutput:
+        """A copy of `res` for stream(): DELTA carries only what `st` added since its last."""
+        if done and kind != RequestOutputKind.DELTA:
+            return res  # final: Logprob values, best_of applied
+        if kind == RequestOutputKind.DELTA:
+            (tokens, chars), out = st.streamed, st.out
+            st.streamed = (len(out.token_ids), len(out.text))
+            lps = out.logprobs[tokens:] if out.logprobs is not None else None
+            if lps is not None and lps and not isinstance(next(iter(lps[0].values())), Logprob):
+                lps = to_logprobs(lps, st.ranks[tokens:], out.token_ids[tokens:], self.tokenizer)
+            new = {"text": out.text[chars:], "token_ids": out.token_ids[tokens:], "logprobs": lps}
+            outs = [dataclasses.replace(out, **new)]
+        else:
+            outs = []
+            for s in sts:
+                o, lps = s.out, s.out.logprobs
+                if lps is not None:
+                    lps = to_logprobs(lps, s.ranks, o.token_ids, self.tokenizer)
+                outs.append(dataclasses.replace(o, token_ids=list(o.token_ids), logprobs=lps))
+        return dataclasses.replace(res, outputs=outs, finished=done)
+
+    def _params(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * count
+        if len(params) != count:
+            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        return list(params)
+
     def _run(
         self,
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("sampling_params: one per prompt, or a single one for all")
+        params = self._params(params, len(prompts))
+        finals: dict[str, RequestOutput] = {}
+        for res, _, _, done in self._drive(prompts, params, use_tqdm, {}):
+            if done:
+                finals[res.request_id] = res
+        return sorted(finals.values(), key=lambda r: int(r.request_id))
+
+    def _drive(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        kinds: dict[str, RequestOutputKind],
+    ) -> Iterator[tuple[RequestOutput, OutputState, list[OutputState], bool]]:
+        """Run the prompts; after each engine output: its request's output, the sequence's
+        state, all the request's states, and whether the request just finished (its output is
+        then final). `kinds` gets each request's output_kind."""
         results: dict[str, RequestOutput] = {}
         states: dict[str, tuple[str, OutputState]] = {}
         seqs: dict[str, Request] = {}  # the engine's, for their timings
@@ -163,6 +231,7 @@ class LLM:
             for (text, ids), p in zip(prompts, params):
                 rid = str(next(self._ids))
                 order.append(rid)
+                kinds[rid] = p.output_kind
                 results[rid] = RequestOutput(rid, text, ids, [])
                 p = with_best_of_logprobs(p)
                 self.engine.add_request(rid, ids, p)  # n sequences, one prompt computed
@@ -174,6 +243,9 @@ class LLM:
         except Exception:
             self.engine.abort(list(states))  # nothing half-submitted stays in the engine
             raise
+        by_rid: dict[str, list[tuple[OutputState, Request]]] = {}
+        for cid, (rid, st) in states.items():
+            by_rid.setdefault(rid, []).append((st, seqs[cid]))
         pending = {rid: len(results[rid].outputs) for rid in order}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -184,22 +256,22 @@ class LLM:
                         raise RuntimeError(f"request {rid} failed: {eo.error}")
                     if st.update(eo):
                         self.engine.abort([eo.request_id])
-                    results[rid].num_cached_tokens = eo.num_cached_tokens
-                    if st.finished:
+                    res = results[rid]
+                    res.num_cached_tokens = eo.num_cached_tokens
+                    done = False
+                    if st.finished and not st.counted:  # its last output
+                        st.counted = True
                         pending[rid] -= 1
-                        if pending[rid] == 0:
-                            results[rid].finished = True
-                            bar.update(1)
+                        done = pending[rid] == 0
+                    if done:
+                        res.finished = True
+                        self._finalize(res, by_rid[rid])
+                        res.outputs = best_of(res.outputs, params[order.index(rid)])
+                        bar.update(1)
+                    yield res, st, [s for s, _ in by_rid[rid]], done
         finally:
             bar.close()
             self.engine.abort(list(states))
-        by_rid: dict[str, list[tuple[OutputState, Request]]] = {}
-        for cid, (rid, st) in states.items():
-            by_rid.setdefault(rid, []).append((st, seqs[cid]))
-        for rid, p in zip(order, params):
-            self._finalize(results[rid], by_rid[rid])
-            results[rid].outputs = best_of(results[rid].outputs, p)
-        return [results[rid] for rid in order]
 
     def _finalize(self, res: RequestOutput, seqs: list[tuple[OutputState, Request]]) -> None:
         """vLLM's Logprob values, prompt_logprobs and the request's timings."""

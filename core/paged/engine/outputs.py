@@ -74,6 +74,8 @@ class OutputState:
         self.emitted = 0  # characters already streamed
         self.finished = False
         self.ranks: list[int] = []  # with logprobs: each token's rank
+        self.counted = False  # LLM: its finish was counted
+        self.streamed = (0, 0)  # LLM.stream DELTA: tokens and characters already given
         self.prompt_logprobs: list[dict[int, float]] | None = None  # of prompt tokens 1..
         self.prompt_ranks: list[int] = []
 

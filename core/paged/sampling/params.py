@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -61,6 +62,15 @@ class StructuredOutputsParams:
         return "" if self.kind == "json_object" else v
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What LLM.stream gives for a request (vLLM's): everything so far, what is new, or the
+    final output only."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -90,6 +100,7 @@ class SamplingParams:
     best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
     prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (and its own)
     spaces_between_special_tokens: bool = True  # in the text (tokenizers that support it)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLM.stream's outputs
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
