@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("paged")
 BACKENDS = ("auto", "xgrammar", "llguidance")
+COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[16:36:30] /project/x.cc:94: "
 
 
@@ -235,7 +236,9 @@ class StructuredOutputs:
                     vocab_size=self.vocab_size,
                     stop_token_ids=list(self.eos_token_ids) or None,
                 )
-                self._tokenizer, self._compiler = tok, xgr.GrammarCompiler(info)
+                # Compiled grammars are cached by spec, least recently used out past the limit.
+                compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILE_CACHE_BYTES)
+                self._tokenizer, self._compiler = tok, compiler
             return self._tokenizer
 
     def _prepare(self, p: SamplingParams) -> tuple[Any, np.ndarray | None, list[list[int]]]:
