@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .head_dims import head_pad, unsupported_head_dim
 
-__all__ = ["LOG2E", "check_attention_args", "dot_flags", "head_pad"]
+__all__ = ["LOG2E", "check_attention_args", "dot_flags", "head_pad", "score_args"]
 
 LOG2E = 1.4426950408889634
 
@@ -61,6 +61,12 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (portable: no libdevice); saturates to +-1 for large |x|."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
 def _softmax_step(
     q,
     k_t,
@@ -73,9 +79,14 @@ def _softmax_step(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     MASK: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = False,
+    cap_log2e=0.0,
 ):
-    """One online-softmax update (log2 domain); masked scores are -inf, m_i starts finite."""
+    """One online-softmax update (log2 domain); masked scores are -inf, m_i starts finite.
+    SOFTCAP: qk_scale is scale / cap and the score becomes cap * log2(e) * tanh(.)."""
     s = _dot(q, k_t, IEEE, UPCAST) * qk_scale
+    if SOFTCAP:
+        s = _tanh(s) * cap_log2e
     if MASK:
         s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -104,3 +115,18 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         raise ValueError(why)
     assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
     return num_heads // num_kv_heads
+
+
+def score_args(scale: float, window: int | None, softcap: float | None) -> dict:
+    """The kernels' score arguments: qk_scale (log2 domain, or scale / cap with a softcap),
+    cap_log2e, window (0 = none) and the HAS_WINDOW / SOFTCAP switches."""
+    if window is not None and window <= 0:
+        raise ValueError(f"window {window} must be positive")
+    cap = softcap or 0.0
+    return {
+        "qk_scale": scale / cap if cap else scale * LOG2E,
+        "cap_log2e": cap * LOG2E,
+        "window": int(window or 0),
+        "HAS_WINDOW": bool(window),
+        "SOFTCAP": bool(cap),
+    }

@@ -13,13 +13,13 @@ import triton
 import triton.language as tl
 
 from ._attn_common import (
-    LOG2E,
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
     check_attention_args,
     dot_flags,
     head_pad,
+    score_args,
 )
 from .decode import paged_attention_decode
 
@@ -36,6 +36,8 @@ def _varlen_kernel(
     seq_lens_ptr,
     bt_ptr,
     qk_scale,
+    cap_log2e,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -54,6 +56,8 @@ def _varlen_kernel(
     HEAD_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -84,16 +88,23 @@ def _varlen_kernel(
     kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # causal: last query of the tile
     # Whole tiles of keys before the tile's first query are visible to every row: no mask.
     full_end = (ctx + q0) // BLOCK_N * BLOCK_N
+    kv_start = 0
+    if HAS_WINDOW:  # keys before the first row's window are seen by no row: skip their tiles
+        kv_start = tl.maximum(ctx + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    for start in range(0, full_end, BLOCK_N):
+    for start in range(kv_start, full_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         k_t, v = _load_kv_tile(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, pos < kv_end,
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
+        mask = None
+        if HAS_WINDOW:  # HF: key j visible to query i when j > i - window
+            mask = pos[None, :] > q_pos[:, None] - window
         acc, m_i, l_i = _softmax_step(
-            q, k_t, v, acc, m_i, l_i, None, qk_scale, IEEE, UPCAST, MASK=False
-        )
+            q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST, MASK=HAS_WINDOW,
+            SOFTCAP=SOFTCAP, cap_log2e=cap_log2e,
+        )  # fmt: skip
     for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
@@ -102,7 +113,12 @@ def _varlen_kernel(
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         mask = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
+        if HAS_WINDOW:
+            mask = mask & (pos[None, :] > q_pos[:, None] - window)
+        acc, m_i, l_i = _softmax_step(
+            q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST,
+            SOFTCAP=SOFTCAP, cap_log2e=cap_log2e,
+        )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_i[:, None]
@@ -125,8 +141,12 @@ def paged_attention_varlen(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of variable-length query chunks; writes `out`.
+    `window`: each query sees the keys at positions > its own - window (HF's sliding
+    window); `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2).
 
     q/out `[T, num_heads, head_dim]`; query_start_loc int32 `[B+1]`; seq_lens int32 `[B]`
     (context length including this step's queries, whose K/V are already cached);
@@ -148,13 +168,15 @@ def paged_attention_varlen(
     block_n = block_n or min(64, 16384 // (pad * q.element_size()))  # K+V tile <= 32 KiB
     num_warps = num_warps or (4 if pad <= 128 else 8)
     grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
+    sargs = score_args(scale, window, softcap)
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E,
+        sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, **dot_flags(q),
+        HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"],
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

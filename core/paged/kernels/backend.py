@@ -24,6 +24,7 @@ class TritonPlan:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    layer_features = frozenset({"window", "softcap", "scale"})
     # Keyword arguments for the kernel wrappers' launch tiles (block_n, num_warps, num_stages,
     # and block_m for varlen). Empty: the kernels' own defaults, tuned on an H200. Subclasses
     # set these, or override `launch_tiles` to choose them from the device.
@@ -82,6 +83,9 @@ class TritonAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         from paged.kernels import paged_attention_decode, paged_attention_varlen, reshape_and_cache
 
@@ -89,6 +93,8 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scale = self.scale if scale is None else scale
+        layer = {"window": window, "softcap": softcap}
         if plan.decode_only:
             paged_attention_decode(
                 q,
@@ -97,11 +103,12 @@ class TritonAttentionBackend(AttentionBackend):
                 out,
                 meta.seq_lens,
                 meta.block_tables,
-                self.scale,
+                scale,
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if plan.num_splits > 1 else None,
                 **self.decode_kwargs,
+                **layer,
             )
         else:
             paged_attention_varlen(
@@ -112,9 +119,10 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.query_start_loc,
                 meta.seq_lens,
                 meta.block_tables,
-                self.scale,
+                scale,
                 meta.max_query_len,
                 meta.max_seq_len,
                 **self.varlen_kwargs,
+                **layer,
             )
         return out

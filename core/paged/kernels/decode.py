@@ -14,13 +14,13 @@ import triton
 import triton.language as tl
 
 from ._attn_common import (
-    LOG2E,
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
     check_attention_args,
     dot_flags,
     head_pad,
+    score_args,
 )
 
 MAX_SPLITS = 32
@@ -38,6 +38,8 @@ def _split_kernel(
     seq_lens_ptr,
     bt_ptr,
     qk_scale,
+    cap_log2e,
+    window,
     stride_qb,
     stride_qh,
     stride_ob,
@@ -58,14 +60,21 @@ def _split_kernel(
     NUM_SPLITS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    # Balanced per-sequence split, in whole BLOCK_N tiles; empty splits write l = 0.
-    chunk = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * chunk
+    lo = 0
+    if HAS_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
+        lo = tl.maximum(seq_len - window, 0)
+    # Balanced per-sequence split of [lo, seq_len), in whole BLOCK_N tiles; empty splits
+    # write l = 0.
+    span = seq_len - lo
+    chunk = ((span + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     g = tl.arange(0, BLOCK_H)
@@ -89,7 +98,10 @@ def _split_kernel(
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         mask = valid[None, :]
-        acc, m_i, l_i = _softmax_step(q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST)
+        acc, m_i, l_i = _softmax_step(
+            q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST,
+            SOFTCAP=SOFTCAP, cap_log2e=cap_log2e,
+        )  # fmt: skip
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -165,8 +177,11 @@ def paged_attention_decode(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its whole cached context; writes `out`.
+    """Attention of one query token per sequence over its whole cached context (its last
+    `window` positions with a window); writes `out`. `softcap` as in paged_attention_varlen.
 
     q/out `[B, num_heads, head_dim]`; seq_lens int32 `[B]` (0 gives zeros); block_tables
     int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits` and a `workspace`
@@ -194,13 +209,16 @@ def paged_attention_decode(
     # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
     pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
     block_n = block_n or min(128, 32768 // (pad * q.element_size()))
+    sargs = score_args(scale, window, softcap)
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, ws, seq_lens, block_tables, scale * LOG2E,
+        q, k_cache, v_cache, out, ws, seq_lens, block_tables,
+        sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
-        **dot_flags(q), num_warps=num_warps, num_stages=num_stages,
+        **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"],
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](

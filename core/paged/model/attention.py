@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -30,6 +30,11 @@ class AttentionBackend:
     """One instance per model; ``forward`` runs once per layer per step."""
 
     name = "base"
+    # Per-layer options this backend's forward takes as keywords (see `layer_options`):
+    # window (attend to the last `window` positions, HF's sliding window), softcap
+    # (cap * tanh(scores / cap) before the softmax, Gemma 2) and scale (a layer's own
+    # softmax scale instead of the constructor's).
+    layer_features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -58,6 +63,16 @@ class AttentionBackend:
                 f"{num_heads} attention heads do not share {num_kv_heads} KV heads evenly"
             )
 
+    def check_layer(self, **options: Any) -> None:
+        """Raise ValueError naming an option (set, not None) this backend cannot run; models
+        call it when they are built, at start-up."""
+        for key, value in options.items():
+            if value is not None and key not in self.layer_features:
+                raise ValueError(
+                    f"attention backend {self.name!r} does not support {key}={value!r} "
+                    f"(supports: {', '.join(sorted(self.layer_features)) or 'none'})"
+                )
+
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
@@ -72,6 +87,36 @@ class AttentionBackend:
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        **options: Any,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D]: write k/v to the cache, attend, return [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D]: write k/v to the cache, attend, return [T, Hq, D].
+        `options`: the layer's window/softcap/scale where set (never passed otherwise)."""
         raise NotImplementedError
+
+
+def layer_options(
+    backend: AttentionBackend,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> tuple[dict[str, Any], float]:
+    """A layer's keyword options for `backend.forward` (only those set) and a factor to
+    multiply q by: a layer scale the backend does not take is folded into q instead.
+    Refuses, naming the backend, a window or softcap it cannot run."""
+    if window is not None and window <= 0:
+        raise ValueError(f"sliding window {window} must be positive")
+    if softcap is not None and softcap <= 0:
+        softcap = None  # HF: 0 / None mean no capping
+    backend.check_layer(window=window, softcap=softcap)
+    opts: dict[str, Any] = {}
+    if window is not None:
+        opts["window"] = int(window)
+    if softcap is not None:
+        opts["softcap"] = float(softcap)
+    q_mult = 1.0
+    if scale is not None and scale != backend.scale:
+        if "scale" in backend.layer_features:
+            opts["scale"] = float(scale)
+        else:
+            q_mult = scale / backend.scale
+    return opts, q_mult

@@ -1,4 +1,5 @@
-"""A Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), SmolLM2 (tied embeddings).
+"""A Llama-family decoder: Llama 2/3, Mistral (sliding window), Qwen2 (q/k/v bias, sliding
+layers by layer_types), SmolLM2 (tied embeddings).
 
 Weights are HF-named on load; q/k/v and gate/up are stacked into one matmul each.
 Attention goes through the platform's backend over the paged KV cache.
@@ -13,7 +14,7 @@ from torch import nn
 
 from paged.distributed import parallel, tp_all_reduce, tp_gather_first
 from paged.model import ops
-from paged.model.attention import AttentionBackend, AttentionMetadata
+from paged.model.attention import AttentionBackend, AttentionMetadata, layer_options
 from paged.model.parallel import (
     VocabParallelEmbedding,
     head_shard,
@@ -45,6 +46,19 @@ def rope_cache(hf_config, max_len: int) -> torch.Tensor:
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
+def sliding_window(cfg, index: int, max_model_len: int) -> int | None:
+    """Layer `index`'s sliding window as HF applies it: config.sliding_window on the layers
+    config.layer_types marks "sliding_attention" where it lists them, else on every layer
+    (Mistral, Mixtral); None where it never applies (no window, or one >= max_model_len)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and types[index] != "sliding_attention":
+        return None
+    if not window or window >= max_model_len:
+        return None
+    return int(window)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -60,9 +74,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """This rank's heads (`shard`); the o_proj output is summed over tensor-parallel ranks."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, window: int | None = None) -> None:
         super().__init__()
         p = parallel()
+        self.window = window
+        self.attn_opts, _ = layer_options(backend, window=window)  # refused here if unsupported
         self.shard = head_shard(cfg.num_attention_heads, cfg.num_key_value_heads, p.tp_size,
                                 p.tp_rank)  # fmt: skip
         self.num_heads = self.shard.q_count
@@ -89,7 +105,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.get("rotary_embedding")(positions, q, k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 
@@ -110,9 +126,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, window)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -178,12 +194,13 @@ class LlamaForCausalLM(nn.Module):
             else:
                 rows = self.vocab_end - self.vocab_start
                 self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
+        self.max_model_len = max_model_len
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend) for _ in range(self.start_layer, self.end_layer)
+            DecoderLayer(cfg, backend, sliding_window(cfg, i, max_model_len))
+            for i in range(self.start_layer, self.end_layer)
         )
         if self.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.max_model_len = max_model_len
         self.cos_sin: torch.Tensor | None = None  # set by init_rope() on the real device
 
     def init_rope(self, device: torch.device) -> None:
