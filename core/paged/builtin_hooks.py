@@ -7,6 +7,7 @@ from paged.hookspecs import hookimpl
 
 @hookimpl
 def paged_models() -> dict[str, type]:
+    from paged.model.gemma import GemmaForCausalLM
     from paged.model.llama import LlamaForCausalLM
     from paged.model.mixtral import MixtralForCausalLM
     from paged.model.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
@@ -18,4 +19,6 @@ def paged_models() -> dict[str, type]:
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,
+        "Gemma2ForCausalLM": GemmaForCausalLM,
+        "Gemma3ForCausalLM": GemmaForCausalLM,
     }

@@ -1,0 +1,97 @@
+"""Sliding-window Mistral, Gemma 2 and Gemma 3 (text): greedy output of tiny random models
+token-identical to HF transformers in float32, with prompts longer than the window, chunked
+prefill (windows across chunks) and prefix hits; HF's own output differs without the window,
+so the window is exercised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_parity import hf_greedy
+
+from paged import LLM, SamplingParams
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+    eos_token_id=1,
+    bos_token_id=0,
+    pad_token_id=0,
+)
+WINDOW = 8
+
+
+def make_model(kind: str, path: str, seed: int = 0) -> str:
+    """A tiny random HF model of `kind` saved to `path` (weights scaled up, as in conftest,
+    so greedy decoding is far from ties; norm weights random so (1 + w) matters)."""
+    import transformers as tf
+
+    if kind == "mistral":
+        cfg = tf.MistralConfig(**BASE, sliding_window=WINDOW)
+    elif kind == "gemma2":  # layer 0 sliding, layer 1 global; both softcaps small to matter
+        cfg = tf.Gemma2Config(**BASE, head_dim=16, sliding_window=WINDOW,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=6.0)  # fmt: skip
+    elif kind == "gemma3":  # local/global thetas, the global one linearly scaled
+        cfg = tf.Gemma3TextConfig(**BASE, head_dim=16, sliding_window=WINDOW,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  query_pre_attn_scalar=32,
+                                  rope_parameters={
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                         "rope_theta": 1000000.0}})  # fmt: skip
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:  # Gemma scales it by sqrt(hidden): keep it from
+                p.normal_(0, 0.03)  # drowning the layers (greedy would echo the input)
+            elif p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+KINDS = ["mistral", "gemma2", "gemma3"]
+PREFIX = list(range(5, 45))
+PROMPTS = [PREFIX + [50, 51], PREFIX + [60], [7, 8, 9], list(range(100, 170))]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gemma_phi")
+    return {k: make_model(k, str(root / k)) for k in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_hf(models, kind):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32).eval()
+    expect = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    # The window matters: without it HF itself answers otherwise.
+    wide = AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32,
+                                                sliding_window=4096).eval()  # fmt: skip
+    assert [hf_greedy(wide, p, MAX_TOKENS) for p in PROMPTS] != expect
+    # 16-token steps chunk the prompts (windows span chunks); the shared prefix hits.
+    llm = LLM(models[kind], dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
+              max_model_len=256)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expect
+        assert llm.engine.kv.hits > 0
+    finally:
+        llm.engine.shutdown()
