@@ -1,7 +1,9 @@
-"""Sliding-window Mistral, Gemma 2 and Gemma 3 (text): greedy output of tiny random models
-token-identical to HF transformers in float32, with prompts longer than the window, chunked
-prefill (windows across chunks) and prefix hits; HF's own output differs without the window,
-so the window is exercised."""
+"""Sliding-window Mistral, Gemma 2 and Gemma 3 (text), Phi-3 and Phi-4-mini (fused
+projections, LongRoPE, partial rotary): greedy output of tiny random models token-identical
+to HF transformers in float32, with chunked prefill and prefix hits. Windowed models get
+prompts longer than the window (HF's own output differs without it, so it is exercised);
+LongRoPE models generate across original_max_position_embeddings (short factors below it,
+long ones from there)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ BASE = dict(
     pad_token_id=0,
 )
 WINDOW = 8
+ORIG = 32  # LongRoPE's original_max_position_embeddings
 
 
 def make_model(kind: str, path: str, seed: int = 0) -> str:
@@ -47,6 +50,20 @@ def make_model(kind: str, path: str, seed: int = 0) -> str:
                                       "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                          "rope_theta": 1000000.0}})  # fmt: skip
         cfg.architectures = ["Gemma3ForCausalLM"]
+    elif kind in ("phi3", "phi4mini"):  # Phi-4-mini: half the head rotates, tied embeddings
+        partial = 0.5 if kind == "phi4mini" else 1.0
+        half = int(16 * partial) // 2
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": partial,
+            "original_max_position_embeddings": ORIG,
+            "short_factor": [1.0 + i / 4 for i in range(half)],
+            "long_factor": [3.0 + i for i in range(half)],
+        }
+        kw = {**BASE, "max_position_embeddings": 128, "tie_word_embeddings": kind == "phi4mini"}
+        cfg = tf.Phi3Config(**kw, original_max_position_embeddings=ORIG,
+                            partial_rotary_factor=partial, rope_parameters=rope)  # fmt: skip
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -55,8 +72,8 @@ def make_model(kind: str, path: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if "embed_tokens" in name:  # Gemma scales it by sqrt(hidden): keep it from
                 p.normal_(0, 0.03)  # drowning the layers (greedy would echo the input)
-            elif p.dim() > 1:
-                p.normal_(0, 0.2)
+            elif p.dim() > 1:  # Phi: larger, or greedy settles on one repeated token
+                p.normal_(0, 0.5 if kind.startswith("phi") else 0.2)
             elif "norm" in name:
                 p.uniform_(-0.5, 0.5)
     model.save_pretrained(path)
@@ -95,3 +112,49 @@ def test_matches_hf(models, kind):
         assert llm.engine.kv.hits > 0
     finally:
         llm.engine.shutdown()
+
+
+PHI_KINDS = ["phi3", "phi4mini"]
+# Prompts within ORIG (HF's one-shot prefill of a longer prompt rotates every position with
+# the long factors), generation running past it.
+PHI_PROMPTS = [list(range(5, 30)), list(range(5, 27)), [7, 8, 9], list(range(100, 131))]
+
+
+@pytest.fixture(scope="module")
+def phi_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("phi")
+    return {k: make_model(k, str(root / k)) for k in PHI_KINDS}
+
+
+@pytest.mark.parametrize("kind", PHI_KINDS)
+def test_phi_matches_hf(phi_models, kind):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(phi_models[kind], dtype=torch.float32).eval()
+    expect = [hf_greedy(hf, p, MAX_TOKENS) for p in PHI_PROMPTS]
+    llm = LLM(phi_models[kind], dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
+              max_model_len=128)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PHI_PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expect
+        assert llm.engine.kv.hits > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_longrope_table_switches_at_the_original_length(phi_models):
+    """Rows below original_max_position_embeddings use the short factors, the rest the long
+    ones, both scaled by HF's attention factor."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from paged.model.llama import rope_cache
+
+    cfg = AutoConfig.from_pretrained(phi_models["phi3"])
+    table = rope_cache(cfg, 64)
+    short, scale = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=ORIG + 1)
+    assert scale > 1.0 and not torch.allclose(short, long)
+    for pos, inv in ((ORIG - 1, short), (ORIG, long), (63, long)):
+        assert torch.allclose(table[pos, : inv.numel()], (pos * inv).cos() * scale)

@@ -10,6 +10,7 @@ def paged_models() -> dict[str, type]:
     from paged.model.gemma import GemmaForCausalLM
     from paged.model.llama import LlamaForCausalLM
     from paged.model.mixtral import MixtralForCausalLM
+    from paged.model.phi3 import Phi3ForCausalLM
     from paged.model.qwen3 import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     return {
@@ -21,4 +22,5 @@ def paged_models() -> dict[str, type]:
         "MixtralForCausalLM": MixtralForCausalLM,
         "Gemma2ForCausalLM": GemmaForCausalLM,
         "Gemma3ForCausalLM": GemmaForCausalLM,
+        "Phi3ForCausalLM": Phi3ForCausalLM,
     }

@@ -30,7 +30,7 @@ def rope_params(hf_config) -> tuple[torch.Tensor, float]:
     rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
     if rope_type == "default":
         base = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        dim = head_dim_of(hf_config)
+        dim = rotary_dim(hf_config)
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -39,10 +39,38 @@ def rope_params(hf_config) -> tuple[torch.Tensor, float]:
     return rot.inv_freq.float(), rot.attention_scaling
 
 
+def rotary_dim(hf_config) -> int:
+    """The rotated leading dims of each head: head_dim x partial_rotary_factor (Phi-4-mini)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    return int(head_dim_of(hf_config) * (factor or 1.0))
+
+
+def longrope_long(hf_config) -> tuple[int, torch.Tensor] | None:
+    """LongRoPE's (original_max_position_embeddings, long-factor inv_freq), or None. HF uses
+    the short factors while the sequence fits the original length and the long ones once a
+    position reaches it (its rope's longrope_frequency_update): per position here, which is
+    what HF computes token by token (a prompt longer than the original length is where HF's
+    one-shot prefill rotates every position with the long factors instead)."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    if not params or params.get("rope_type", params.get("type")) != "longrope":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    orig = params.get("original_max_position_embeddings")
+    orig = orig or hf_config.original_max_position_embeddings
+    long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=orig + 1)
+    return int(orig), long_inv.float()
+
+
 def rope_cache(hf_config, max_len: int) -> torch.Tensor:
-    """[max_len, head_dim] float32: cos in the first half, sin in the second (HF's math)."""
+    """[max_len, rotary_dim] float32: cos in the first half, sin in the second (HF's math)."""
     inv_freq, scaling = rope_params(hf_config)
-    freqs = torch.arange(max_len, dtype=torch.float)[:, None] * inv_freq
+    pos = torch.arange(max_len, dtype=torch.float)[:, None]
+    freqs = pos * inv_freq
+    if (long := longrope_long(hf_config)) is not None:
+        orig, long_inv = long
+        freqs = torch.where(pos < orig, freqs, pos * long_inv)
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
