@@ -158,3 +158,76 @@ def test_longrope_table_switches_at_the_original_length(phi_models):
     assert scale > 1.0 and not torch.allclose(short, long)
     for pos, inv in ((ORIG - 1, short), (ORIG, long), (63, long)):
         assert torch.allclose(table[pos, : inv.numel()], (pos * inv).cos() * scale)
+
+
+# --- Llama 3.x rope scaling from a GGUF's rope_freqs ---------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
+
+
+def llama3_rope_freqs(rope: dict, dim: int) -> list[float]:
+    """The rope_freqs tensor as llama.cpp's convert_hf_to_gguf writes it for rope_type llama3."""
+    import math
+
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, orig = (rope[k] for k in ("low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings"))  # fmt: skip
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def test_llama3_rope_scaling_from_gguf(tmp_path, monkeypatch):
+    """A Llama with rope_type llama3 written as llama.cpp does (the scaling baked into a
+    rope_freqs tensor, no metadata): paged's GGUF load matches HF's safetensors load; HF
+    without the scaling answers otherwise, so the factors are applied."""
+    import gguf
+    import numpy as np
+    import transformers as tf
+    from test_models_qwen3_moe import write_gguf
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = tf.LlamaConfig(**BASE, head_dim=16, rope_parameters=dict(LLAMA3_ROPE))
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = str(tmp_path / "llama3")
+    model.save_pretrained(path)
+    freqs = np.array(llama3_rope_freqs(LLAMA3_ROPE, 16), dtype=np.float32)
+
+    class WithRopeFreqs(gguf.GGUFWriter):
+        def write_header_to_file(self, *args, **kwargs):
+            self.add_tensor("rope_freqs.weight", freqs)
+            super().write_header_to_file(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", WithRopeFreqs)
+    gguf_path = write_gguf(path, str(tmp_path / "llama3.gguf"), "llama", False)
+    monkeypatch.undo()
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expect = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    plain = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": 1e4}
+    ).eval()
+    assert [hf_greedy(plain, p, MAX_TOKENS) for p in PROMPTS] != expect
+    llm = LLM(gguf_path, dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16,
+              max_model_len=256)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expect
+    finally:
+        llm.engine.shutdown()

@@ -147,8 +147,9 @@ def gguf_config(path: str) -> Any:
             kwargs["rope_scaling"]["original_max_position_embeddings"] = orig
     elif scaling not in (None, "none"):
         log.warning("GGUF rope scaling %r is not applied", scaling)
-    if "rope_freqs.weight" in tensors:
-        log.warning("GGUF has rope_freqs (llama3 rope scaling); paged ignores it")
+    if "rope_freqs.weight" in tensors:  # Llama 3.x rope scaling, as convert_hf_to_gguf bakes it
+        rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        kwargs["rope_freq_factors"] = [float(x) for x in np.asarray(rope_freqs.data).ravel()]
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return getattr(transformers, config_cls)(**kwargs)
 

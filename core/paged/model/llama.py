@@ -31,7 +31,14 @@ def rope_params(hf_config) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = (params or {}).get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         dim = rotary_dim(hf_config)
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        factors = getattr(hf_config, "rope_freq_factors", None)
+        if factors is not None:  # a GGUF's rope_freqs (Llama 3.x): llama.cpp divides by them
+            if len(factors) != inv_freq.numel():
+                raise ValueError(f"rope_freqs has {len(factors)} factors, rotary needs "
+                                 f"{inv_freq.numel()}")  # fmt: skip
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
+        return inv_freq, 1.0
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     with torch.device("cpu"):
