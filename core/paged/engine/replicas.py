@@ -527,12 +527,14 @@ class ReplicaSet:
                     r.fail(f"silent for {silent:.1f} s (more than {self.wedge_timeout:g} s)")
 
     # ---- requests --------------------------------------------------------------------
-    def route(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
+    def route(
+        self, prompt_ids: list[int], params: SamplingParams, hashes: list[int] | None = None
+    ) -> Replica:
         """The router's pick among the serving replicas that can hold the request
         (router.py); with none serving, among all (a dead one's engine says so at once)."""
         max_tokens = getattr(params, "max_tokens", None)
         live = [r for r in self.replicas if r.ready] or self.replicas
-        return self.router.pick(live, prompt_ids, max_tokens)
+        return self.router.pick(live, prompt_ids, max_tokens, hashes)
 
     def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -541,8 +543,9 @@ class ReplicaSet:
         starts (the request is sent), before any other request is routed. The replica
         remembers the prompt's blocks (its prefix cache holds them next). If the replica dies
         before the request produced anything, it is sent again to another one."""
-        replica = self.route(prompt_ids, params)
-        replica.prefix.add(block_hashes(prompt_ids))
+        hashes = block_hashes(prompt_ids)  # once: for the router and the replica's index
+        replica = self.route(prompt_ids, params, hashes)
+        replica.prefix.add(hashes)
         first = replica.generate(request_id, prompt_ids, params)
         return self._retrying(request_id, prompt_ids, params, replica, first)
 

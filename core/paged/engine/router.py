@@ -108,9 +108,16 @@ class Router:
         hit = replica.prefix.hits(hashes) if hashes else 0
         return wait - hit * BLOCK / (prefill * uncached_share(replica)) if hit else wait
 
-    def pick(self, replicas: Sequence[Any], prompt_ids: Sequence[int], max_tokens: int | None):
+    def pick(
+        self,
+        replicas: Sequence[Any],
+        prompt_ids: Sequence[int],
+        max_tokens: int | None,
+        hashes: list[int] | None = None,
+    ):
         """The replica for this request. Those too small for it are never picked, unless none
-        can hold it (then the largest, which refuses it with the engine's own message)."""
+        can hold it (then the largest, which refuses it with the engine's own message).
+        `hashes`: the prompt's block_hashes, when the caller has them already."""
         n = len(replicas)
         ok = [r for r in replicas if fits(r, len(prompt_ids), max_tokens)]
         if not ok:
@@ -121,5 +128,6 @@ class Router:
             return ring[0]
         if self.policy == "least-load":
             return min(ring, key=lambda r: r.load)
-        hashes = block_hashes(prompt_ids)
+        if hashes is None:
+            hashes = block_hashes(prompt_ids)
         return min(ring, key=lambda r: self.score(r, hashes))
