@@ -1,4 +1,4 @@
-"""Sliding-window Mistral, Gemma 2 and Gemma 3 (text), Phi-3 and Phi-4-mini (fused
+"""Sliding-window Mistral and Qwen2, Gemma 2 and Gemma 3 (text), Phi-3 and Phi-4-mini (fused
 projections, LongRoPE, partial rotary): greedy output of tiny random models token-identical
 to HF transformers in float32, with chunked prefill and prefix hits. Windowed models get
 prompts longer than the window (HF's own output differs without it, so it is exercised);
@@ -36,6 +36,9 @@ def make_model(kind: str, path: str, seed: int = 0) -> str:
 
     if kind == "mistral":
         cfg = tf.MistralConfig(**BASE, sliding_window=WINDOW)
+    elif kind == "qwen2_sliding":  # layer 0 global, layer 1 sliding (max_window_layers)
+        cfg = tf.Qwen2Config(**BASE, use_sliding_window=True, sliding_window=WINDOW,
+                             max_window_layers=1)  # fmt: skip
     elif kind == "gemma2":  # layer 0 sliding, layer 1 global; both softcaps small to matter
         cfg = tf.Gemma2Config(**BASE, head_dim=16, sliding_window=WINDOW,
                               query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
@@ -80,7 +83,7 @@ def make_model(kind: str, path: str, seed: int = 0) -> str:
     return path
 
 
-KINDS = ["mistral", "gemma2", "gemma3"]
+KINDS = ["mistral", "qwen2_sliding", "gemma2", "gemma3"]
 PREFIX = list(range(5, 45))
 PROMPTS = [PREFIX + [50, 51], PREFIX + [60], [7, 8, 9], list(range(100, 170))]
 MAX_TOKENS = 12
