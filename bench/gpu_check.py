@@ -162,7 +162,7 @@ def main() -> None:
             d_ours, d_hf, d_pair = [], [], []
             for p, o in zip(prompts, outs):
                 gen = o.outputs[0].token_ids
-                ours = [e[t] for e, t in zip(o.outputs[0].logprobs, gen)]
+                ours = [e[t].logprob for e, t in zip(o.outputs[0].logprobs, gen)]
                 truth = hf_logprobs(hf, p, gen)
                 theirs = hf_logprobs(hf16, p, gen)
                 d_ours += [abs(a - b) for a, b in zip(ours, truth)]
@@ -223,7 +223,7 @@ def long_prompts(args, report: dict, hf, path: str, vocab: int) -> None:
             diffs = []
             for p, o in zip(prompts, outs):
                 gen = o.outputs[0].token_ids
-                ours = [e[tok] for e, tok in zip(o.outputs[0].logprobs, gen)]
+                ours = [e[tok].logprob for e, tok in zip(o.outputs[0].logprobs, gen)]
                 diffs += [abs(a - b) for a, b in zip(ours, hf_logprobs(hf, p, gen))]
             report[key + "_logprob_absdiff_vs_fp32"] = {
                 "mean": round(sum(diffs) / len(diffs), 5),

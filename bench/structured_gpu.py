@@ -80,11 +80,22 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="both kinds without overlapped steps (masked requests never overlap)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a cProfile of one constrained pass (host time by function)",
+    )
     args = ap.parse_args()
     path = shape_dir(args.model, Path(tempfile.mkdtemp()) / args.model)
     llm = LLM(path, load_format="dummy", dtype=args.dtype, enable_prefix_caching=False,
               max_model_len=args.input_len + args.max_tokens + 64,
-              max_num_seqs=args.batch)  # fmt: skip
+              max_num_seqs=args.batch,
+              async_scheduling=False if args.no_async_scheduling else None)  # fmt: skip
     rng = random.Random(0)
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
@@ -103,6 +114,13 @@ def main() -> None:
             rate = run(llm, prompts, plain if kind == "plain" else constrained)
             best[kind] = max(best[kind], rate)
             print(f"pass {i} {kind}: {rate:,.0f} output tok/s", flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(run, llm, prompts, constrained)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     ratio = best["json_schema"] / best["plain"]
     print(
         f"\n{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC {args.model} {args.dtype} batch "
