@@ -131,7 +131,7 @@ def test_beam_search_matches_the_offline_api(http, smollm):
     from paged import BeamSearchParams
 
     body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True,
-            "temperature": 0, "length_penalty": 0.5}  # fmt: skip
+            "temperature": 0, "length_penalty": 0.5, "stream": False}  # fmt: skip
     got = ok(http.post("/v1/completions", json=body))["choices"]
     ids = ok(http.post("/tokenize", json={"prompt": PROMPT}))["tokens"]
     want = smollm.beam_search([ids], BeamSearchParams(2, 4, length_penalty=0.5))[0].sequences

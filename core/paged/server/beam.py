@@ -40,7 +40,9 @@ def check_beam_request(req: SamplingRequest) -> None:
     if req.temperature:
         msg = "temperature: beams rank by the raw logprobs; leave it 0 with use_beam_search"
         raise APIError(400, msg, "temperature")
-    extra = sorted(req.model_fields_set - BEAM_FIELDS)
+    fields = type(req).model_fields  # a field sent with its default value changes nothing
+    sent = req.model_fields_set - BEAM_FIELDS
+    extra = sorted(f for f in sent if getattr(req, f) != fields[f].default)
     if extra:
         raise APIError(400, f"{extra[0]}: not supported with use_beam_search", extra[0])
 
