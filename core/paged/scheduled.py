@@ -3,6 +3,7 @@ the scheduled batch and a read-only view of each request in it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -55,8 +56,10 @@ class ScheduledBatch:
     # (request, sequences): requests that complete their prompt in this step and the other
     # samples forked from them (sharing its blocks); each samples from the request's logits row.
     forks: list[tuple[RequestView, list[RequestView]]] = field(default_factory=list)
-    # The token mask of the requests that sample under one (None: no request does).
-    token_bitmask: TokenBitmask | None = None
+    # The token mask of the requests that sample under one (None: no request does), or a
+    # function that fills it: the driver calls it once the forward is queued, so that the
+    # host fills the mask while the device computes.
+    token_bitmask: TokenBitmask | Callable[[], TokenBitmask | None] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from paged.config import EngineConfig
@@ -201,8 +202,8 @@ class EngineCore:
             outs += self._resolve(prev)
             prev = self.inflight = None
         batch = self.scheduler.schedule()
-        if self.structured.masks:
-            batch.token_bitmask = self.structured.bitmask(batch)
+        if self.structured.masks:  # filled by the driver while the forward runs
+            batch.token_bitmask = partial(self.structured.bitmask, batch)
         launched = None
         if batch.reqs:
             try:

@@ -191,8 +191,11 @@ class ModelRunner:
         want = [r.params.logprobs for r in reqs]
         k = max((w or 0 for w in want), default=0)
         sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
-        if batch.token_bitmask is not None:  # structured outputs etc.: masked in the sampler
-            sb.bitmask = bitmask_rows(batch.token_bitmask, reqs, self.device)
+        mask = batch.token_bitmask  # structured outputs etc.: masked in the sampler
+        if callable(mask):  # filled now, while the device runs the queued forward
+            mask = mask()
+        if mask is not None:
+            sb.bitmask = bitmask_rows(mask, reqs, self.device)
         tokens = sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
