@@ -50,7 +50,7 @@ def json_schema(name: str) -> dict:
 
 
 def test_chat_json_schema_batched(client):
-    names = ["person", "nested_address", "anyof_objects", "pattern_code", "top_array"]
+    names = ["person", "nested_address", "anyof_objects", "top_array"]
 
     def one(name: str):
         r = client.chat.completions.create(
@@ -67,8 +67,8 @@ def test_chat_json_schema_batched(client):
 
 def test_chat_json_schema_streamed(client):
     stream = client.chat.completions.create(
-        model="", messages=ask("weather"), max_tokens=100, temperature=0, stream=True,
-        response_format=json_schema("weather"),
+        model="", messages=ask("person"), max_tokens=60, temperature=0, stream=True,
+        response_format=json_schema("person"),
     )  # fmt: skip
     text, finish = "", None
     for chunk in stream:
@@ -76,7 +76,7 @@ def test_chat_json_schema_streamed(client):
             text += chunk.choices[0].delta.content or ""
             finish = chunk.choices[0].finish_reason or finish
     assert finish == "stop"
-    format_checked(BY_NAME["weather"]["schema"], json.loads(text))
+    format_checked(BY_NAME["person"]["schema"], json.loads(text))
 
 
 def test_completions_fields(client):
