@@ -80,9 +80,8 @@ def test_bitmask_bad_words_and_allowed_ids():
 
 @pytest.mark.parametrize("rows", [None, [1, 3, 4]])
 def test_apply_token_bitmask_matches_xgrammar(rows):
+    """The default op (a lookup table of 0 / -inf added per byte) against xgrammar's own."""
     import xgrammar as xgr
-
-    from paged_cpu.token_bitmask import apply_token_bitmask as cpu_apply
 
     vocab, n = 1000, 5  # 1000 is not a multiple of 32: the last word is partial
     k = n if rows is None else len(rows)
@@ -98,10 +97,9 @@ def test_apply_token_bitmask_matches_xgrammar(rows):
         full[rows] = bm
         xgr.apply_token_bitmask_inplace(want, full, indices=rows, backend="torch_native")
     t_rows = None if rows is None else torch.tensor(rows)
-    for fn in (ops.apply_token_bitmask, cpu_apply):
-        got = logits.clone()
-        fn(got, bm, t_rows)
-        assert torch.equal(got, want), fn
+    got = logits.clone()
+    ops.apply_token_bitmask(got, bm, t_rows)
+    assert torch.equal(got, want)
 
 
 def test_backend_flag():

@@ -85,7 +85,7 @@ def fused_moe(
     return out
 
 
-_BANNED_BITS: dict[torch.device, torch.Tensor] = {}
+_MASK_ADD: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def apply_token_bitmask(
@@ -94,19 +94,23 @@ def apply_token_bitmask(
     """Set to -inf, in place, the logits of rows `rows` [k] (None: all, in order) whose bit is
     clear in `bitmask` (int32 [k, ceil(V/32)]; token t is bit t % 32 of word t // 32, as
     xgrammar packs it). A platform may replace this with its own kernel (Platform.ops())."""
-    table = _BANNED_BITS.get(bitmask.device)
-    if table is None:  # byte value -> its 8 bits, lowest first, True where clear
+    key = (logits.device, logits.dtype)
+    table = _MASK_ADD.get(key)
+    if table is None:  # byte value -> its 8 bits, lowest first, as 0 (set) or -inf (clear)
         bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
-        table = _BANNED_BITS[bitmask.device] = (bits == 0).to(bitmask.device)
+        table = torch.zeros(256, 8).masked_fill(bits == 0, float("-inf"))
+        table = _MASK_ADD[key] = table.to(logits.device, logits.dtype)
+    # Little-endian bytes: byte b of a row holds tokens 8b .. 8b+7. Adding 0 / -inf is one
+    # vectorised pass (a boolean masked_fill is several times slower on CPU).
     k, vocab = bitmask.shape[0], logits.shape[-1]
-    # Little-endian bytes: byte b of a row holds tokens 8b .. 8b+7.
-    banned = table[bitmask.contiguous().view(torch.uint8).long()].view(k, -1)[:, :vocab]
-    if banned.shape[1] < vocab:  # ids past the bitmask stay as they are
-        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=False)
+    add = table[bitmask.contiguous().view(torch.uint8).long()].view(k, -1)
+    n = min(vocab, add.shape[1])  # ids past the bitmask stay as they are
     if rows is None:
-        logits.masked_fill_(banned, float("-inf"))
-        return
-    logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
+        logits[:, :n] += add[:, :n]
+    elif n == vocab:
+        logits.index_add_(0, rows, add[:, :n])
+    else:
+        logits.index_add_(0, rows, torch.nn.functional.pad(add, (0, vocab - n)))
 
 
 _DEFAULTS: dict[str, Callable] = {

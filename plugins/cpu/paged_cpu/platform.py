@@ -95,9 +95,8 @@ class CpuPlatform(Platform):
 
     def ops(self):
         from paged_cpu.fused_ops import fused_ops
-        from paged_cpu.token_bitmask import apply_token_bitmask
 
-        return {**fused_ops(self.option("cpu_native")), "apply_token_bitmask": apply_token_bitmask}
+        return fused_ops(self.option("cpu_native"))
 
     def attention_backend(self):
         from paged_cpu.attention import CpuAttentionBackend
