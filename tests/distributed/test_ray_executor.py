@@ -4,13 +4,13 @@ and a killed actor fails the engine in bounded time."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from dist_helpers import generate_then_kill  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.placement_group import placement_group_table  # noqa: E402
 
@@ -79,24 +79,10 @@ def test_ray_matches_mp_across_two_nodes(tiny_models, ray_cluster):
 def test_killed_actor_fails_the_engine_in_bounded_time(tiny_models, ray_cluster):
     llm = LLM(tiny_models["llama"], **ENGINE, distributed_executor_backend="ray")
     actor = llm.engine.executor.actors[0]
-    err: dict[str, BaseException] = {}
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-
-    def generate() -> None:
-        try:
-            llm.generate([{"prompt_token_ids": [5, 6]}] * 8, long, use_tqdm=False)
-        except BaseException as e:
-            err["e"] = e
-
-    t = threading.Thread(target=generate)
-    t.start()
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    ray.kill(actor, no_restart=True)
-    t.join(60)
-    assert not t.is_alive(), "the engine hung after its worker actor died"
-    assert isinstance(err.get("e"), WorkerFailure | RuntimeError), err
-    assert time.monotonic() - t0 < 30
+    err, hung, seconds = generate_then_kill(llm, lambda: ray.kill(actor, no_restart=True))
+    assert not hung, "the engine hung after its worker actor died"
+    assert isinstance(err, WorkerFailure | RuntimeError), err
+    assert seconds < 30
     wait_for(lambda: llm.engine.executor.failure is not None)
     assert "worker rank 1" in llm.engine.executor.failure
     llm.engine.shutdown()

@@ -10,33 +10,23 @@ is refused, naming it. `paged fleet ray-resources` prints what a node advertises
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from dist_helpers import TESTS, load_module  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-TESTS = Path(__file__).parent.parent
-rel = _load("paged_rayfleet_reliability_helpers", TESTS / "reliability" / "reliability_helpers.py")
+rel = load_module(
+    "paged_rayfleet_reliability_helpers", TESTS / "reliability" / "reliability_helpers.py"
+)
 ARGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "8MiB"}
 PROMPTS = ["Hello, my name is", "The capital of France is"]
 

@@ -3,26 +3,17 @@ a worker that dies takes the server down cleanly (503s, then exit 1), never a ha
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from dist_helpers import TESTS, load_module
 
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-TESTS = Path(__file__).parent.parent
-helpers = _load("paged_dist_server_helpers", TESTS / "server" / "conftest.py")
-rel = _load("paged_dist_reliability_helpers", TESTS / "reliability" / "reliability_helpers.py")
+helpers = load_module("paged_dist_server_helpers", TESTS / "server" / "conftest.py")
+rel = load_module(
+    "paged_dist_reliability_helpers", TESTS / "reliability" / "reliability_helpers.py"
+)
 
 ARGS = ["--max-model-len", "256", "--num-kv-blocks", "64", "--dtype", "float32"]
 
