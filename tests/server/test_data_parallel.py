@@ -10,29 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+import rel
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged.config import EngineConfig
 from paged.engine.replicas import Replica, ReplicaSet, make_engine, placements
-
-_HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location(
-    "paged_reliability_helpers", _HERE.parent / "reliability" / "reliability_helpers.py"
-)
-rel = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = rel
-_spec.loader.exec_module(rel)
 
 ARGS = ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--dtype", "float32"]
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "Once upon a time"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -23,17 +22,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import rel
 
 from paged.engine.replicas import Replica, ReplicaSet
 from paged.engine.router import DEFAULT_SPEED, PrefixIndex, Router, block_hashes
 
 _HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location(
-    "paged_reliability_helpers", _HERE.parent / "reliability" / "reliability_helpers.py"
-)
-rel = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = rel
-_spec.loader.exec_module(rel)
 
 EXAMPLE = _HERE.parents[1] / "examples" / "oot-plugin"
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "Once upon a time"]

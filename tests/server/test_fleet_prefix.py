@@ -8,26 +8,17 @@ the engines' own counters summed over replicas in /metrics) of the prefix router
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import rel
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged.engine.router import PrefixIndex, Router, block_hashes
-
-_HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location(
-    "paged_reliability_helpers", _HERE.parent / "reliability" / "reliability_helpers.py"
-)
-rel = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = rel
-_spec.loader.exec_module(rel)
 
 BLOCK = 16  # the engine's default --block-size
 PREFIXES, PREFIX_BLOCKS, REQUESTS, SUFFIX, CONCURRENCY = 8, 8, 160, 4, 8

@@ -10,26 +10,17 @@ back (restarts 1, `paged:replica_restarts_total`); a stopped (silent) replica is
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import rel
 from prometheus_client.parser import text_string_to_metric_families
-
-_HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location(
-    "paged_reliability_helpers", _HERE.parent / "reliability" / "reliability_helpers.py"
-)
-rel = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = rel
-_spec.loader.exec_module(rel)
 
 SLOW = 40000  # a token id no text prompt here holds: steps with it in a prompt sleep
 FLEET = {"args": {"dtype": "float32", "max_model_len": 256, "kv_cache_memory": "8MiB"},
