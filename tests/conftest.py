@@ -74,3 +74,25 @@ def hf_smollm(default_model_path):
 
     d, f = os.path.split(default_model_path)
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def oot_plugin_site(tmp_path_factory) -> str:
+    """examples/oot-plugin installed as a vendor would ship it (pip --target), once per
+    session: the directory to put on PYTHONPATH."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tmp = tmp_path_factory.mktemp("oot")
+    src = tmp / "src"  # build from a copy: setuptools writes build/ and *.egg-info in place
+    example = Path(__file__).resolve().parents[1] / "examples" / "oot-plugin"
+    shutil.copytree(example, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    site = tmp / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(src)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return str(site)

@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "oot-plugin"
-
 
 @pytest.fixture(scope="module")
-def example_env(tmp_path_factory) -> dict[str, str]:
-    tmp = tmp_path_factory.mktemp("oot")
-    src = tmp / "src"  # build from a copy: setuptools writes build/ and *.egg-info in place
-    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    site = tmp / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(src)],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+def example_env(oot_plugin_site) -> dict[str, str]:
+    site = Path(oot_plugin_site)
     assert (site / "paged_example_plugin-0.1.0.dist-info" / "entry_points.txt").exists()
     env = dict(os.environ, PYTHONPATH=str(site) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("PAGED_PLUGINS", None)

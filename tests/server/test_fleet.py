@@ -15,10 +15,8 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,9 +25,6 @@ import rel
 from paged.engine.replicas import Replica, ReplicaSet
 from paged.engine.router import DEFAULT_SPEED, PrefixIndex, Router, block_hashes
 
-_HERE = Path(__file__).parent
-
-EXAMPLE = _HERE.parents[1] / "examples" / "oot-plugin"
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "Once upon a time"]
 PROMPTS += ["Paris is", "The sky"]
 FLEET = """\
@@ -306,19 +301,9 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def example_env(tmp_path_factory) -> dict[str, str]:
+def example_env(oot_plugin_site) -> dict[str, str]:
     """The environment with examples/oot-plugin installed as a vendor would ship it."""
-    tmp = tmp_path_factory.mktemp("fleet-oot")
-    src = tmp / "src"  # build from a copy: setuptools writes build/ and *.egg-info in place
-    shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info"))
-    site = tmp / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(src)],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
-    env = {"PYTHONPATH": str(site) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return env
+    return {"PYTHONPATH": oot_plugin_site + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 REFERENCE = """
