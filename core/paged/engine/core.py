@@ -203,7 +203,7 @@ class EngineCore:
             prev = self.inflight = None
         batch = self.scheduler.schedule()
         if self.structured.masks:  # filled by the driver while the forward runs
-            batch.token_bitmask = partial(self.structured.bitmask, batch)
+            batch.token_bitmask = partial(self._bitmask, batch, prev)
         launched = None
         if batch.reqs:
             try:
@@ -219,9 +219,22 @@ class EngineCore:
             outs += self._resolve(launched)
         return outs
 
+    def _bitmask(self, batch, prev):
+        """`batch`'s masks, called by the driver once the forward is queued. With a step still
+        in flight (`prev`), its tokens go to the matchers first: waiting for them costs
+        nothing, the device samples them before it starts the queued forward."""
+        if prev is not None:
+            handle = prev[1]
+            try:
+                sampled, _ = handle.result()
+            except Exception:  # the step failed: _resolve(prev) reports it
+                sampled = []
+            self.structured.accept_early(handle.reqs, sampled)
+        return self.structured.bitmask(batch)
+
     def _can_overlap(self) -> bool:
-        """Penalties and masks (structured outputs, bad words) read the output tokens on the
-        host: those steps wait for the last one."""
+        """Penalties and bad words read the output tokens on the host: those steps wait for
+        the last one. Grammars take the token in flight early (_bitmask)."""
         return self.runner.overlap and not any(
             r.params.needs_penalties or StructuredOutputs.needs_sync(r.params)
             for r in self.scheduler.running

@@ -6,6 +6,7 @@ from its own generator and gets the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -148,8 +149,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
             ids = torch.tensor(list(bias.keys()), device=logits.device)
             vals = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
             logits[i].index_add_(0, ids, vals)
-    for i, forbid in sb.min_tokens_mask:
-        logits[i, forbid] = float("-inf")
+    for i, forbid in sb.min_tokens_mask:  # unless nothing else is left (a finished grammar)
+        banned = logits[i].index_fill(0, torch.tensor(forbid, device=logits.device), -math.inf)
+        logits[i] = torch.where(banned.max() > -math.inf, banned, logits[i])
     if sb.penalties is not None:
         logits = _apply_penalties(logits, sb)
     greedy_ids = logits.argmax(dim=-1)

@@ -149,6 +149,7 @@ class StructuredOutputs:
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, once there are matchers
         self.pending: dict[str, tuple[list[Any], Future]] = {}  # first id -> (sequences, job)
         self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
+        self._early: dict[str, str | None] = {}  # sequence id -> accept()'s answer, taken early
 
     @staticmethod
     def needs(params: SamplingParams) -> bool:
@@ -158,8 +159,10 @@ class StructuredOutputs:
 
     @staticmethod
     def needs_sync(params: SamplingParams) -> bool:
-        """The mask depends on the previous token: the step waits for it (no overlap)."""
-        return params.structured_outputs is not None or bool(params.bad_words)
+        """The mask reads the output tokens on the host (bad words): the step waits for the
+        last one (no overlap). A grammar does not: its matcher takes the token in flight
+        early (`accept_early`), once the next forward is queued."""
+        return bool(params.bad_words)
 
     # ---- requests ------------------------------------------------------------------
     def add(self, seqs: list[Any]) -> None:
@@ -215,6 +218,7 @@ class StructuredOutputs:
     def free(self, request_id: str) -> None:
         """Forget a finished sequence's mask (a job still preparing drops finished ones)."""
         self.masks.pop(request_id, None)
+        self._early.pop(request_id, None)
 
     def __len__(self) -> int:
         """Sequences with a mask, and requests whose mask is being prepared."""
@@ -311,10 +315,24 @@ class StructuredOutputs:
                         words[k, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         return {r.request_id: k for k, r in enumerate(sampling)}, bm
 
+    def accept_early(self, reqs: list[Any], tokens: list[int]) -> None:
+        """Advance the matchers by the tokens of the step in flight before the engine resolves
+        it (overlapped steps: the next step's mask needs them while its forward runs); the
+        engine's accept() for those tokens then returns the answer kept here."""
+        for req, tok in zip(reqs, tokens):
+            rid = req.request_id
+            if not req.finished and rid in self.masks and rid not in self._early:
+                self._early[rid] = self._advance(rid, tok)
+
     def accept(self, request_id: str, token: int) -> str | None:
         """Advance the request's matcher by a resolved token: "done" when the grammar has
         terminated (the request stops), "refused" when the token breaks it (only when the
         mask left nothing, e.g. against min_tokens), else None."""
+        if request_id in self._early:
+            return self._early.pop(request_id)
+        return self._advance(request_id, token)
+
+    def _advance(self, request_id: str, token: int) -> str | None:
         m = self.masks.get(request_id)
         if m is None or m.matcher is None:
             return None
