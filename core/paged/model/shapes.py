@@ -86,6 +86,56 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643,
         eos_token_id=151645,
     ),
+    # Gemma 3 12B (text): 5 sliding-window layers (1024) to 1 global, head 256, 262k vocab
+    "gemma-3-12b": dict(
+        architecture="Gemma3ForCausalLM",
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        sliding_window=1024,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(48)
+        ],
+        query_pre_attn_scalar=256,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+    ),
+    # Phi-4-mini: fused QKV and gate-up, 3/4 of each head rotated, LongRoPE, 200k vocab
+    "phi-4-mini": dict(
+        architecture="Phi3ForCausalLM",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=200064,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        partial_rotary_factor=0.75,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096,
+            "short_factor": [1.0 + 0.01 * i for i in range(48)],
+            "long_factor": [1.0 + 0.5 * i for i in range(48)],
+        },
+        bos_token_id=199999,
+        eos_token_id=[200020, 199999],
+        pad_token_id=199999,
+    ),
     "smollm2-135m": dict(
         hidden_size=576,
         intermediate_size=1536,
@@ -108,6 +158,8 @@ _CONFIGS = {
     "LlamaForCausalLM": "LlamaConfig",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+    "Phi3ForCausalLM": "Phi3Config",
 }
 
 
