@@ -82,3 +82,45 @@ def test_backend_refuses_what_it_cannot_run():
         layer_options(backend, softcap=50.0)
     opts, q_mult = layer_options(backend, scale=0.25)  # folded into q instead
     assert opts == {} and q_mult == pytest.approx(0.25 / 32**-0.5)
+
+
+def release_out_of_window(kv, table, seq_lens, query_lens, window):
+    """The cache and table as the KV manager leaves them: blocks wholly before the window of a
+    sequence's first query point to a released block, here filled with NaN (reading one would
+    poison the output)."""
+    bs = kv.shape[2]
+    poisoned = torch.full_like(kv[:, :1], float("nan"))
+    kv = torch.cat([kv, poisoned], 1)
+    table = table.clone()
+    for b, (sl, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        table[b, : max(sl - ql - window + 1, 0) // bs] = kv.shape[1] - 1
+    return kv, table
+
+
+@pytest.mark.parametrize("window", [20, 7])
+def test_released_blocks_are_never_read(window, device):
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, query_lens = [70, 90, 6], [70, 9, 3]
+    kv, table = make_cache(seq_lens, 2, 32, 8, torch.float32, gen, device)
+    q = torch.randn(sum(query_lens), 4, 32, generator=gen).to(device)
+    ref = reference(q, kv, query_lens, seq_lens, table, 0.3, window)
+    kv_r, table_r = release_out_of_window(kv, table, seq_lens, query_lens, window)
+    assert (table_r == kv_r.shape[1] - 1).any()
+    out = torch.full_like(q, float("nan"))
+    qsl = i32([0, 70, 79, 82], device)
+    paged_attention_varlen(q, kv_r[0], kv_r[1], out, qsl, i32(seq_lens, device), table_r, 0.3,
+                           70, 90, block_m=16, block_n=16, window=window)  # fmt: skip
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+    seq_lens = [5, 100, 21]
+    kv, table = make_cache(seq_lens, 2, 32, 8, torch.float32, gen, device)
+    q = torch.randn(3, 4, 32, generator=gen).to(device)
+    ref = reference(q, kv, [1, 1, 1], seq_lens, table, 0.3, window)
+    kv_r, table_r = release_out_of_window(kv, table, seq_lens, [1, 1, 1], window)
+    for splits in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        paged_attention_decode(q, kv_r[0], kv_r[1], out, i32(seq_lens, device), table_r, 0.3,
+                               100, splits, block_n=16, window=window)  # fmt: skip
+        assert not out.isnan().any()
+        assert rel_err(out, ref) < TOL[torch.float32]

@@ -88,14 +88,18 @@ def _varlen_kernel(
     kv_end = tl.minimum(seq_len, ctx + q0 + BLOCK_Q)  # causal: last query of the tile
     # Whole tiles of keys before the tile's first query are visible to every row: no mask.
     full_end = (ctx + q0) // BLOCK_N * BLOCK_N
+    kv_lo = 0
     kv_start = 0
     if HAS_WINDOW:  # keys before the first row's window are seen by no row: skip their tiles
-        kv_start = tl.maximum(ctx + q0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        kv_lo = tl.maximum(ctx + q0 - window + 1, 0)
+        kv_start = kv_lo // BLOCK_N * BLOCK_N
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     for start in range(kv_start, full_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
+        # Never read below the window: the KV cache may have released those blocks (their
+        # block-table entries are the null block, or stale).
         k_t, v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, pos < kv_end,
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, (pos < kv_end) & (pos >= kv_lo),
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         mask = None
