@@ -100,6 +100,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM (default: %(default)s)",
     )
+    g.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="/v1/responses kept in memory for previous_response_id and GET (the least "
+        "recently used dropped first; 0: none kept) (default: %(default)s)",
+    )
     add_parsing_args(parser)
 
 
@@ -269,6 +276,7 @@ async def _serve(
     state.max_body = args.max_request_body
     state.metrics_require_key = args.metrics_require_key
     state.body_timeout, state.health_timeout = args.body_timeout, args.health_timeout
+    state.max_stored_responses = args.max_stored_responses
     raise_fd_limit()
     uv = uvicorn.Config(
         build_app(state),

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 import paged
+from paged.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from paged.server.errors import error_body, install_handlers
 from paged.server.limits import MAX_JSON_DEPTH, json_depth
 from paged.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -21,9 +22,12 @@ from paged.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from paged.server.responses_protocol import ResponsesRequest
 from paged.server.serving import Serving
+from paged.server.serving_anthropic import AnthropicErrors, count_tokens, create_message
 from paged.server.serving_chat import create_chat_completion
 from paged.server.serving_completion import create_completion
+from paged.server.serving_responses import ResponseStore
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 
@@ -43,6 +47,7 @@ class ServerState:
     # uploads cannot pin more memory than this (beyond it, 503 until some finish).
     max_pending_body: int = 128 << 20
     pending_body: int = 0
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (LRU)
 
 
 def _refuse(status: int, message: str, param: str | None = None, code: str | None = None):
@@ -57,6 +62,7 @@ class Guard:
         self.app, self.state = app, state
         key = state.api_key
         self.expect = f"Bearer {key}".encode() if key else None
+        self.key = key.encode() if key else b""  # Anthropic's x-api-key header
 
     def _check(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
         if path in OPEN_PATHS:
@@ -80,7 +86,9 @@ class Guard:
             headers.get(b"authorization", b""), self.expect
         ):
             return None
-        msg = "invalid or missing API key (send 'Authorization: Bearer <key>')"
+        if self.key and secrets.compare_digest(headers.get(b"x-api-key", b""), self.key):
+            return None
+        msg = "invalid or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key')"
         return _refuse(401, msg, code="invalid_api_key")
 
     def _too_big(self) -> JSONResponse:
@@ -217,6 +225,28 @@ def build_app(state: ServerState) -> Any:
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await until_disconnect(request, create_chat_completion(sv, req))
 
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, request: Request) -> Any:
+        return await until_disconnect(request, create_message(sv, req))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> dict[str, Any]:
+        return await count_tokens(sv, req)
+
+    store = ResponseStore(sv, state.max_stored_responses)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request) -> Any:
+        return await until_disconnect(request, store.create(req))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return store.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return store.delete(response_id)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         sv.check_model(req.model)
@@ -244,4 +274,4 @@ def build_app(state: ServerState) -> Any:
     async def ping() -> Response:
         return await health()
 
-    return Guard(app, state)
+    return AnthropicErrors(Guard(app, state))

@@ -1,0 +1,186 @@
+"""OpenAI Responses API request bodies (POST /v1/responses) and their translation into chat
+messages. Unknown fields and item types are 400s naming them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from paged.server.protocol import MAX_TOOLS, OpenAIModel, RequestBody
+
+
+class InputText(OpenAIModel):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(OpenAIModel):
+    """An earlier response's text, sent back as input."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    logprobs: list[Any] | None = None  # as this server returned them: not read
+
+
+Part = Annotated[InputText | OutputText, Field(discriminator="type")]
+
+
+class MessageItem(OpenAIModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | Annotated[list[Part], Field(min_length=1)]
+    id: str | None = None  # an output item sent back
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        c = self.content
+        return c if isinstance(c, str) else "".join(p.text for p in c)
+
+
+class FunctionCallItem(OpenAIModel):
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(OpenAIModel):
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(min_length=1, max_length=256)]
+    output: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+def _item_type(v: Any) -> str:
+    return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(OpenAIModel):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # schemas are enforced for required / named choices
+
+
+class FunctionChoice(OpenAIModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(max_length=256)] | None = None  # json_schema
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> TextFormat:
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("text.format.schema: required with type json_schema, and only then")
+        if self.type == "json_schema" and not self.name:
+            raise ValueError("text.format.name: required with type json_schema")
+        return self
+
+
+class TextConfig(OpenAIModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(RequestBody):
+    model: str | None = None
+    input: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[Item], Field(min_length=1)]
+    instructions: str | None = None  # a system message first (not carried to the next response)
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    previous_response_id: Annotated[str, Field(max_length=256)] | None = None
+    store: bool = True
+    metadata: (
+        Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None
+    ) = None
+    user: str | None = None  # accepted, as chat's
+    text: TextConfig | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is refused
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+
+    @model_validator(mode="after")
+    def _tools(self) -> ResponsesRequest:
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        c = self.tool_choice
+        if isinstance(c, FunctionChoice) and c.name not in names:
+            raise ValueError(f"tool_choice: the function {c.name[:100]!r} is not in tools")
+        if c in ("required",) and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return self
+
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input items as chat messages (consecutive calls join one assistant turn)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        out: list[dict[str, Any]] = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = out[-1] if out else None
+                if last is None or last["role"] != "assistant":
+                    out.append(last := {"role": "assistant", "content": ""})
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        return out
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat request's fields besides the messages."""
+        kw: dict[str, Any] = {
+            "max_tokens": self.max_output_tokens,
+            "user": self.user,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "parallel_tool_calls": self.parallel_tool_calls,
+        }
+        f = self.text.format if self.text else None
+        if f is not None and f.type == "json_object":
+            kw["response_format"] = {"type": "json_object"}
+        elif f is not None and f.type == "json_schema":
+            kw["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": f.name, "schema": f.schema_, "strict": f.strict},
+            }
+        if self.tools:
+            kw["tools"] = [
+                {"type": "function", "function": t.model_dump(exclude={"type"})} for t in self.tools
+            ]
+        c = self.tool_choice
+        if isinstance(c, FunctionChoice):
+            kw["tool_choice"] = {"type": "function", "function": {"name": c.name}}
+        elif c is not None:
+            kw["tool_choice"] = c
+        return kw
