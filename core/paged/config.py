@@ -95,6 +95,19 @@ class EngineConfig:
         "(when installed)",
         default="auto",
     )
+    enable_lora: bool = _opt(
+        "serve LoRA adapters (PEFT format) on top of the model (docs/lora.md)", default=False
+    )
+    lora_modules: list | None = _opt(
+        "adapters served from the start: name=path ... or vLLM's JSON objects "
+        '{"name": "a", "path": "/dir"} (needs --enable-lora)',
+        nargs="+",
+    )
+    max_loras: int = _opt("LoRA adapters one step may use (device slots)", default=1, type=int)
+    max_lora_rank: int = _opt("largest LoRA rank accepted (slot size)", default=16, type=int)
+    max_cpu_loras: int | None = _opt(
+        "LoRA adapters kept in host memory (default: --max-loras)", type=int
+    )
     # The platforms' own options set explicitly ({"cpu_native": False}): their flags, LLM
     # keyword arguments; the platform falls back to each option's env variable, then default.
     platform_options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -126,6 +139,7 @@ class EngineConfig:
         from paged.sampling.structured import check_backend
 
         check_backend(self.structured_outputs_backend)
+        _check_lora(self)
         if self.platform_options:
             known = platform_options()
             for name in self.platform_options:
@@ -167,6 +181,7 @@ class EngineConfig:
                     flag,
                     type=f.metadata.get("type", str),
                     choices=f.metadata.get("choices"),
+                    nargs=f.metadata.get("nargs"),
                     default=f.default,
                     help=help,
                     dest=f.name,
@@ -203,3 +218,21 @@ def platform_options() -> dict[str, tuple[str, PlatformOption]]:
         for opt in cls.options:
             out.setdefault(opt.name, (cls.name, opt))
     return out
+
+
+def _check_lora(c: EngineConfig) -> None:
+    """The LoRA flags: consistent, and on an engine that can serve them."""
+    from paged.lora.request import parse_lora_modules
+
+    if c.max_loras < 1 or c.max_lora_rank < 1:
+        raise ValueError("max_loras and max_lora_rank must be at least 1")
+    if c.max_cpu_loras is not None and c.max_cpu_loras < c.max_loras:
+        raise ValueError(f"max_cpu_loras ({c.max_cpu_loras}) must be >= max_loras ({c.max_loras})")
+    c.lora_modules = parse_lora_modules(c.lora_modules)
+    if c.lora_modules and not c.enable_lora:
+        raise ValueError("lora_modules: LoRA adapters need --enable-lora")
+    if c.enable_lora and c.world_size > 1:
+        raise ValueError(
+            "enable_lora: LoRA runs on one device per replica for now (tensor_parallel_size "
+            "and pipeline_parallel_size 1; use --data-parallel-size for more devices)"
+        )

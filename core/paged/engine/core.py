@@ -18,6 +18,7 @@ from paged.engine.messages import EngineOutput  # re-exported: defined with the 
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
+from paged.lora.request import LoRARequest
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
 from paged.sampling.structured import StructuredOutputs
@@ -65,7 +66,11 @@ class EngineCore:
             install(self.runner, faults)
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.max_loras if config.enable_lora else 0,
         )
         self.requests: dict[str, Request] = {}
         # Masks (structured outputs, allowed ids, bad words): compiled off the step loop.
@@ -90,7 +95,11 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt: must not be empty")
@@ -119,12 +128,19 @@ class EngineCore:
                     f"logit_bias: token id {t} is out of vocabulary "
                     f"(vocabulary size {self.vocab_size})"
                 )
+        if lora_request is not None:  # read and checked against the model once per id
+            if self.runner.lora is None:
+                raise ValueError("lora_request: LoRA adapters need --enable-lora")
+            self.runner.lora.check(lora_request)
         params = dataclasses.replace(params, eos_token_ids=self.eos_token_ids)  # ours, not theirs
         # n > 1 (or best_of): one sequence each, `sequence_ids`; the prompt is computed once.
         ids = sequence_ids(request_id, params.num_sequences)
         if any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seqs = [Request(i, prompt_token_ids, sample_params(params, k)) for k, i in enumerate(ids)]
+        seqs = [
+            Request(i, prompt_token_ids, sample_params(params, k), lora_request=lora_request)
+            for k, i in enumerate(ids)
+        ]
         masked = StructuredOutputs.needs(params)
         if masked:  # scheduled once its mask is ready (step())
             self.structured.add(seqs)
@@ -133,6 +149,14 @@ class EngineCore:
         if not masked:
             self.scheduler.add(seqs[0], seqs[1:])
         self.stats["prompt_tokens"] += n
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter (unloaded): its slot and host copy are freed. Requests already
+        running with it finish with it (its slot is only reused once none is)."""
+        if self.runner.lora is not None and not any(
+            r.lora_int_id == lora_int_id for r in self.requests.values()
+        ):
+            self.runner.lora.forget(lora_int_id)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         for rid in request_ids:

@@ -57,7 +57,7 @@ class KVCacheManager:
         """Chain hashes of the request's full blocks covering its first `upto` tokens."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
         bs = self.block_size
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else req.hash_seed  # the adapter's id
         for i in range(len(hashes), upto // bs):
             parent = hash((parent, tuple(req.token_ids[i * bs : (i + 1) * bs])))
             hashes.append(parent)

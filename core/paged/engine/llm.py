@@ -23,6 +23,7 @@ from paged.engine.outputs import (
     with_best_of_logprobs,
 )
 from paged.engine.request import Request, sample_params, sequence_ids
+from paged.lora.request import LoRARequest
 from paged.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("paged")
@@ -80,11 +81,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Final outputs, in the prompts' order (whatever each request's output_kind, as vLLM's
-        LLM.generate; stream() honours it)."""
+        LLM.generate; stream() honours it). `lora_request`: the adapter of every prompt, or
+        one per prompt (None: the base model); needs enable_lora=True."""
         prompts = self._normalize(prompts)
-        return self._run([self._tokenize(p) for p in prompts], sampling_params, use_tqdm)
+        tokenized = [self._tokenize(p) for p in prompts]
+        return self._run(tokenized, sampling_params, use_tqdm, lora_request)
 
     @staticmethod
     def _normalize(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -128,6 +132,7 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """`continue_final_message`: leave the last (assistant) message open for the model to
         continue (with add_generation_prompt=False); `chat_template_kwargs`: template variables."""
@@ -145,7 +150,7 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, lora_request)
 
     def stream(
         self,
@@ -205,10 +210,17 @@ class LLM:
         prompts: list[tuple[str | None, list[int]]],
         params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = self._params(params, len(prompts))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("lora_request: one per prompt, or a single one for all")
         finals: dict[str, RequestOutput] = {}
-        for res, _, _, done in self._drive(prompts, params, use_tqdm, {}):
+        for res, _, _, done in self._drive(prompts, params, use_tqdm, {}, loras):
             if done:
                 finals[res.request_id] = res
         return sorted(finals.values(), key=lambda r: int(r.request_id))
@@ -219,6 +231,7 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         kinds: dict[str, RequestOutputKind],
+        loras: list[LoRARequest | None] | None = None,
     ) -> Iterator[tuple[RequestOutput, OutputState, list[OutputState], bool]]:
         """Run the prompts; after each engine output: its request's output, the sequence's
         state, all the request's states, and whether the request just finished (its output is
@@ -228,13 +241,14 @@ class LLM:
         seqs: dict[str, Request] = {}  # the engine's, for their timings
         order = []
         try:
-            for (text, ids), p in zip(prompts, params):
+            for k, ((text, ids), p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
                 order.append(rid)
                 kinds[rid] = p.output_kind
                 results[rid] = RequestOutput(rid, text, ids, [])
                 p = with_best_of_logprobs(p)
-                self.engine.add_request(rid, ids, p)  # n sequences, one prompt computed
+                lora = loras[k] if loras else None
+                self.engine.add_request(rid, ids, p, lora)  # n sequences, one prompt computed
                 for i, cid in enumerate(sequence_ids(rid, p.num_sequences)):
                     st = OutputState(i, self.tokenizer, ids, sample_params(p, i))
                     results[rid].outputs.append(st.out)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 
+from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
 
@@ -34,9 +35,11 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output, grows
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written)
@@ -67,6 +70,17 @@ class Request:
         if skip >= 0:
             self.prompt_logprobs += entries[skip:]
             self.prompt_ranks += ranks[skip:]
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
+    @property
+    def hash_seed(self) -> tuple[str, int] | None:
+        """What its first block's prefix-cache hash starts from: blocks computed with an
+        adapter are never shared with the base model or another adapter."""
+        return None if self.lora_request is None else ("lora", self.lora_request.lora_int_id)
 
     @property
     def num_tokens(self) -> int:

@@ -21,12 +21,20 @@ from paged.scheduled import PLACEHOLDER, ScheduledBatch
 
 class Scheduler:
     def __init__(
-        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras`: most distinct LoRA adapters in one step (the device slots; 0: LoRA
+        off, no limit)."""
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -55,6 +63,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch, preempted = ScheduledBatch(finished_ids=self.finished_ids), False
         self.finished_ids = []
+        loras: set[int] = set()  # adapters in this step (at most max_loras)
         # Running requests: decodes first (stable sort keeps admission order within each).
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
@@ -63,6 +72,8 @@ class Scheduler:
                 continue
             if req.num_pending and self._length_reached(req, req.num_tokens):
                 continue  # its last token is still being sampled: it ends when that lands
+            if not self._lora_fits(req, loras):
+                continue  # its adapter waits for a step with a free slot
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, req.num_computed_tokens + n):
                 victim = next((r for r in reversed(self.running) if r not in batch.reqs), req)
@@ -81,8 +92,12 @@ class Scheduler:
         )
         # Waiting requests, unless this step already had to preempt.
         seats = self._seats()
+        skipped: list[Request] = []  # waiting requests whose adapter has no slot this step
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
+            if self.max_loras and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if seats + 1 + len(req.followers) > self.max_num_seqs:
                 break
             cached = self.kv.find_cached(req) if req.num_computed_tokens == 0 else []
@@ -99,10 +114,12 @@ class Scheduler:
             req.status = Status.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or time.time()
             self.running.append(req)
+            self._lora_fits(req, loras)
             seats += 1 + len(req.followers)
             batch.reqs.append(req)
             batch.num_new.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         for req, n in zip(batch.reqs, batch.num_new):
             prompt_left = req.num_prompt_tokens - req.num_computed_tokens
             self.num_prompt_computed += max(0, min(n, prompt_left))
@@ -110,6 +127,16 @@ class Scheduler:
                 batch.forks.append((req, req.followers))
         batch.block_copies = self.kv.take_copies()
         return batch
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether `req`'s adapter can be in this step (added to `loras` if so)."""
+        lid = req.lora_int_id
+        if not lid or not self.max_loras:
+            return True
+        if lid not in loras and len(loras) >= self.max_loras:
+            return False
+        loras.add(lid)
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -19,6 +19,8 @@ _EXPORTS = {
     "rotary_embedding": "fused",
     "silu_and_mul": "fused",
     "fused_moe": "moe",
+    "lora_shrink": "lora",
+    "lora_expand": "lora",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -39,4 +39,6 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rotary_embedding": _rotary_embedding,
         "silu_and_mul": kernels.silu_and_mul,
         "fused_moe": kernels.fused_moe,
+        "lora_shrink": kernels.lora_shrink,
+        "lora_expand": kernels.lora_expand,
     }

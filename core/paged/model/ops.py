@@ -85,6 +85,29 @@ def fused_moe(
     return out
 
 
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
+    """Batched LoRA shrink: row t of the result is x[t] @ a[slot(t)]^T (zero for tokens without
+    an adapter). x [T, K], a [slots, N, K]. `meta` (paged.lora.layers.LoRABatch): token
+    indices grouped by slot (`token_ids`) and each slot's run (`starts`, `starts_host`).
+    Grouped: one matmul per slot with tokens (the Triton kernel is paged.kernels.lora)."""
+    out = x.new_zeros(x.shape[0], a.shape[1])
+    for s, (lo, hi) in enumerate(zip(meta.starts_host, meta.starts_host[1:])):
+        if hi > lo:
+            ids = meta.token_ids[lo:hi]
+            out[ids] = F.linear(x[ids], a[s])
+    return out
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, col: int, meta) -> None:
+    """Batched LoRA expand, in place: y[t] += xa[t, col:col+R] @ b[slot(t)]^T, b [slots, out,
+    R] (the adapter's scale folded in); y may be a column view of a wider output."""
+    r = b.shape[2]
+    for s, (lo, hi) in enumerate(zip(meta.starts_host, meta.starts_host[1:])):
+        if hi > lo:
+            ids = meta.token_ids[lo:hi]
+            y.index_add_(0, ids, F.linear(xa[ids, col : col + r], b[s]).to(y.dtype))
+
+
 _MASK_ADD: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -121,6 +144,8 @@ _DEFAULTS: dict[str, Callable] = {
     "silu_and_mul": silu_and_mul,
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
+    "lora_shrink": lora_shrink,  # multi-LoRA (paged.lora.layers)
+    "lora_expand": lora_expand,
 }
 _active: dict[str, Callable] = dict(_DEFAULTS)
 

@@ -57,6 +57,13 @@ class ModelRunner:
             self.device,
         )
         self.model = self._build_model(weights, source)
+        self.lora = None  # --enable-lora: the adapters' slots (wraps the model's linears)
+        if config.enable_lora:
+            from paged.lora.manager import LoRAManager
+
+            max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+            self.lora = LoRAManager(self.model, config, hf_config, max_tokens, self.device,
+                                    self.dtype)  # fmt: skip
         self.vocab_size = hf_config.vocab_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
@@ -168,6 +175,8 @@ class ModelRunner:
             for view in self.inputs.views(header):
                 broadcast_host(view)
         input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
+        if self.lora is not None:  # the step's adapters in slots, its tokens by slot
+            self.lora.prepare(batch.reqs, batch.num_new)
         if fill is not None:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:

@@ -1,0 +1,111 @@
+"""Batched LoRA for a step that mixes adapters (punica / SGMV style): the tokens of each
+device slot are listed together (`LoRABatch`: token indices grouped by slot, and where each
+slot's run starts), and one kernel launch multiplies every slot's rows by that slot's matrix.
+
+    shrink:  xa[t] = x[t] @ A[slot(t)]^T                 A [slots, N, K]   (N: slices x rank)
+    expand:  y[t, :] += xa[t, col:col+R] @ B[slot(t)]^T  B [slots, out, R] (scale folded in)
+
+A program of `_lora_gemm` takes BLOCK_M rows of one slot's run and BLOCK_N output columns.
+The grid is fixed by the token count and the slot count, never by the step's lists, so
+nothing waits for the device and CUDA graphs can capture it: programs past their slot's run
+exit at once. Tokens without an adapter are in no run and are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_gemm(
+    x_ptr,  # [T, >= x_col + K]
+    w_ptr,  # [slots, N, K]
+    y_ptr,  # [T, N] (a column view of a wider output is fine: row stride)
+    ids_ptr,  # [>= T] token indices, grouped by slot
+    starts_ptr,  # [slots + 1] where each slot's run starts in ids
+    N,
+    K,
+    x_col,
+    stride_xm,
+    stride_ws,
+    stride_wn,
+    stride_ym,
+    ADD: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    lo = tl.load(starts_ptr + slot)
+    hi = tl.load(starts_ptr + slot + 1)
+    row0 = lo + pid_m * BLOCK_M
+    if row0 >= hi:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    valid = rows < hi
+    tok = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + slot.to(tl.int64) * stride_ws
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + x_col + ks[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        if UPCAST:  # the CPU interpreter multiplies bf16 storage (uint16) as ints
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(a.dtype)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    out = y_ptr + tok[:, None] * stride_ym + cols[None, :]
+    mask = valid[:, None] & col_ok[None, :]
+    if ADD:
+        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, w, y, meta, x_col: int, k: int, add: bool) -> None:
+    t = x.shape[0]
+    slots, n = w.shape[0], w.shape[1]
+    if t == 0 or n == 0:
+        return
+    assert x.stride(1) == 1 and w.stride(2) == 1 and y.stride(1) == 1
+    block_m = 16 if t <= 512 else 64
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    cpu = x.device.type == "cpu"  # the interpreter
+    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n), slots)
+    _lora_gemm[grid](
+        x, w, y, meta.token_ids, meta.starts, n, k, x_col,
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+        ADD=add, IEEE=x.dtype == torch.float32 or cpu,
+        UPCAST=cpu and x.dtype != torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
+    """paged.model.ops.lora_shrink on the device: x [T, K], a [slots, N, K] -> [T, N] (rows of
+    tokens without an adapter are zero)."""
+    out = x.new_zeros(x.shape[0], a.shape[1])
+    _launch(x, a, out, meta, 0, a.shape[2], add=False)
+    return out
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, col: int, meta) -> None:
+    """paged.model.ops.lora_expand on the device: y [T, out] += xa[:, col:col+R] @ B[slot]^T
+    in place, b [slots, out, R]."""
+    _launch(xa, b, y, meta, col, b.shape[2], add=True)

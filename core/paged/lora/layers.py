@@ -1,0 +1,86 @@
+"""LoRALinear: a model's linear layer (whatever module sits there: nn.Linear, a packed or
+quantized one) plus the LoRA of every device slot, stacked.
+
+A stacked projection (qkv_proj: q, k, v; gate_up_proj: gate, up) has one slice per HF
+projection: A of all slices side by side [slots, slices x R, in] (one shrink), B per slice
+[slots, out_j, R] (one expand each, into that slice's columns). R is --max-lora-rank; an
+adapter of lower rank fills the first r rows/columns, the rest stay zero; B holds the
+adapter's scale (alpha / r) folded in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paged.model import ops
+
+
+@dataclass
+class LoRABatch:
+    """One step's tokens by slot, in static device buffers (graph replays read them):
+    `token_ids[starts[s]:starts[s+1]]` are the tokens of slot s; `starts_host`, the same
+    offsets on the host (the grouped torch path loops over them)."""
+
+    token_ids: torch.Tensor
+    starts: torch.Tensor
+    starts_host: list[int] = field(default_factory=list)
+    # True when no token of this step has an adapter: eager forwards skip the LoRA kernels
+    # (a captured graph runs them; with empty runs they exit at once).
+    empty: bool = False
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_sizes: list[int],
+        max_loras: int,
+        rank: int,
+        batch: LoRABatch,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.out_sizes = list(out_sizes)
+        self.offsets = [sum(out_sizes[:j]) for j in range(len(out_sizes))]
+        self.batch = batch
+        kw = dict(dtype=dtype, device=device)
+        # buffers, not parameters: no weight loader or dummy initialiser touches them
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(out_sizes) * rank,
+                                                   in_features, **kw))  # fmt: skip
+        for j, n in enumerate(out_sizes):
+            self.register_buffer(f"lora_b{j}", torch.zeros(max_loras, n, rank, **kw))
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.batch.empty:
+            return y
+        shape = y.shape
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, shape[-1])
+        xa = ops.get("lora_shrink")(x2, self.lora_a, self.batch)
+        expand = ops.get("lora_expand")
+        for j, (off, n) in enumerate(zip(self.offsets, self.out_sizes)):
+            expand(y2[:, off : off + n], xa, self.lora_b[j], j * self.rank, self.batch)
+        return y
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, slices: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Load slot `slot`: {slice index: (A [r, in], B [out_j, r])}; slices not given stay
+        zero (the adapter leaves that projection alone)."""
+        self.lora_a[slot].zero_()
+        for b in self.lora_b:
+            b[slot].zero_()
+        for j, (a, b) in slices.items():
+            r = a.shape[0]
+            self.lora_a[slot, j * self.rank : j * self.rank + r].copy_(a)
+            self.lora_b[j][slot, :, :r].copy_(b)

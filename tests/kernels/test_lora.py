@@ -1,0 +1,58 @@
+"""The batched LoRA Triton kernels (paged.kernels.lora) against the grouped torch path
+(paged.model.ops) and a per-token reference, in the interpreter on CPU: tiny shapes."""
+
+import pytest
+import torch
+
+from paged.kernels import lora_expand, lora_shrink
+from paged.lora.layers import LoRABatch
+from paged.model import ops
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def batch_for(token_slot: list[int], slots: int, device) -> LoRABatch:
+    """Tokens grouped by slot as LoRAManager.prepare lays them out (-1: no adapter), with
+    padding after the used part (the static buffer's stale tail)."""
+    ts = torch.tensor(token_slot)
+    counts = torch.bincount(ts[ts >= 0], minlength=slots)
+    starts = torch.zeros(slots + 1, dtype=torch.long)
+    starts[1:] = counts.cumsum(0)
+    order = torch.argsort(ts, stable=True)[len(ts) - int(starts[-1]) :]
+    ids = torch.cat([order, torch.full((5,), 7)])
+    return LoRABatch(ids.to(device), starts.to(device), starts.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("token_slot", [[0, 1, -1, 0, 2, 1, -1], [-1, -1], [2] * 20 + [0] * 3])
+def test_shrink_expand_match_reference(device, dtype, token_slot):
+    slots, rank, k, outs = 3, 8, 40, [24, 8, 8]  # a qkv-like projection: three slices
+    g = torch.Generator().manual_seed(len(token_slot))
+    t = len(token_slot)
+    x = torch.randn(t, k, generator=g).to(device, dtype)
+    a = (0.3 * torch.randn(slots, len(outs) * rank, k, generator=g)).to(device, dtype)
+    bs = [(0.3 * torch.randn(slots, n, rank, generator=g)).to(device, dtype) for n in outs]
+    y0 = torch.randn(t, sum(outs), generator=g).to(device, dtype)
+    meta = batch_for(token_slot, slots, device)
+
+    xa = lora_shrink(x, a, meta)
+    want_xa = ops.lora_shrink(x, a, meta)
+    assert torch.allclose(xa.float(), want_xa.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    got, want = y0.clone(), y0.clone()
+    off = 0
+    for j, (n, b) in enumerate(zip(outs, bs)):
+        lora_expand(got[:, off : off + n], xa, b, j * rank, meta)
+        ops.lora_expand(want[:, off : off + n], want_xa, b, j * rank, meta)
+        off += n
+    assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype], atol=2 * TOL[dtype])
+    # per token, in float32: y + sum_j x A_j^T B_j^T for tokens with a slot, y otherwise
+    ref = y0.float().clone()
+    for i, s in enumerate(token_slot):
+        if s < 0:
+            continue
+        xa_i = x[i].float() @ a[s].float().T
+        ref[i] += torch.cat([xa_i[j * rank : (j + 1) * rank] @ b[s].float().T
+                             for j, b in enumerate(bs)])  # fmt: skip
+    assert torch.allclose(got.float(), ref, rtol=TOL[dtype], atol=4 * TOL[dtype])
+    untouched = [i for i, s in enumerate(token_slot) if s < 0]
+    assert torch.equal(got[untouched], y0[untouched])
