@@ -21,6 +21,7 @@ from paged.model.parallel import (
     split_range,
     vocab_shard,
 )
+from paged.quantization import linear, narrow_in
 
 
 def rope_params(hf_config) -> tuple[torch.Tensor, float]:
@@ -122,8 +123,8 @@ class Attention(nn.Module):
         bias = getattr(cfg, "attention_bias", False) or cfg.model_type == "qwen2"
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = (q, kv, kv)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.qkv_proj = linear(cfg.hidden_size, q + 2 * kv, bias=bias)  # maybe quantized
+        self.o_proj = linear(q, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
 
@@ -153,8 +154,8 @@ class MLP(nn.Module):
         self.inter_start, self.inter_end = split_range(cfg.intermediate_size, p.tp_size, p.tp_rank)
         inter = self.inter_end - self.inter_start
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tp_all_reduce(self.down_proj(ops.get("silu_and_mul")(self.gate_up_proj(x))))
@@ -344,9 +345,11 @@ class LlamaForCausalLM(nn.Module):
         if "o_proj" in parts or "down_proj" in parts:  # row-parallel: the bias is added once
             if name.endswith(".bias"):
                 return t if rank0 else torch.zeros_like(t)
-            if "o_proj" in parts:
-                return t.narrow(1, hs.q_start * d, hs.q_count * d)
-            return t.narrow(1, mlp.inter_start, mlp.inter_end - mlp.inter_start)
+            if "o_proj" in parts:  # narrow_in: also a quantized weight's packed columns
+                full = self.config.num_attention_heads * d
+                return narrow_in(t, hs.q_start * d, hs.q_count * d, full)
+            inter = mlp.inter_end - mlp.inter_start
+            return narrow_in(t, mlp.inter_start, inter, self.config.intermediate_size)
         if name == "lm_head.weight":
             rows = t[self.vocab_start : min(self.vocab_end, t.shape[0])]
             pad = self.vocab_end - self.vocab_start - rows.shape[0]

@@ -22,6 +22,7 @@ from paged.model import ops
 from paged.model.attention import AttentionBackend
 from paged.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from paged.model.parallel import split_range
+from paged.quantization import narrow_in
 
 # layers.L.mlp.experts.E.gate_proj.weight (Qwen-MoE) | layers.L.block_sparse_moe.experts.E.w1.weight
 _EXPERT = re.compile(
@@ -210,7 +211,7 @@ class MoECausalLM(LlamaForCausalLM):
             if "down_proj" in parts:
                 if name.endswith(".bias"):
                     return t if parallel().tp_rank == 0 else torch.zeros_like(t)
-                return t.narrow(1, s, e - s)
+                return narrow_in(t, s, e - s, self.config.intermediate_size)
         return super()._tp_slice(name, parts, t)
 
     def _shard_sizes(self, target: str) -> list[int]:

@@ -112,6 +112,7 @@ def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
     model `source` those blocks (stacked q/k/v and gate/up rows concatenated; a tied output
     head its embedding's). Returns how many layers were replaced (none without the C++
     kernels or their CPU features)."""
+    from paged.model.llama import TiedHead
     from paged.model.loader import iter_weight_blocks
 
     if not gguf_blocks_available():
@@ -139,6 +140,8 @@ def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
         hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
         codes, d, m = (torch.cat([quant[h][i] for h in hfs]) for i in range(3))
         weight = getattr(mod, "weight", None)
+        if not isinstance(mod, (nn.Linear, TiedHead)):  # e.g. already quantized (--quantization)
+            continue
         if weight is None or codes.shape != weight.shape or codes.shape[0] % 16:
             continue  # a stacked layer with a piece in another format, or an odd shape: dense
         bias = getattr(mod, "bias", None)

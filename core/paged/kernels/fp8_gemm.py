@@ -1,0 +1,167 @@
+"""FP8 linear layers: activations quantized per token to float8_e4m3fn, a GEMM on fp8
+operands accumulating in float32, scaled by the token's scale and the weight's per-channel or
+per-block scales (paged.quantization.reference.fp8_linear is the arithmetic).
+
+`quantize_fp8_rows` is one program per row (the row's absmax, then the scaled cast);
+`fp8_linear` runs it and `_fp8_gemm`: a BLOCK_M x BLOCK_N tile of the output per program,
+stepping over K by BLOCK_K. With per-channel weight scales (one group) the scales multiply the
+finished accumulator; with block scales (DeepSeek/Qwen FP8 checkpoints: 128 columns a group)
+each K step's partial product is scaled by its group's weight scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32:
+    the cast to fp8 is then exact whatever rounding the conversion does (the CPU
+    interpreter's float32 -> fp8 cast mis-rounds values that carry into the next binade)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals share 2^-6's step
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    t = tl.abs(v) / ulp
+    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round t to an integer
+    return tl.where(v < 0, -r, r) * ulp
+
+
+@triton.jit
+def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, 1]), as the torch reference."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        block = min(1024, max(16, triton.next_power_of_2(k)))
+        _quant_rows[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _fp8_gemm(
+    a_ptr,  # [M, K] fp8
+    as_ptr,  # [M] float32: per-token scales
+    b_ptr,  # [N, K] fp8
+    bs_ptr,  # [N, G] float32: per-group weight scales
+    bias_ptr,
+    c_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    G,
+    group_k,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr,  # G > 1: scale each K step by its group's weight scale
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + rows64[:, None] * stride_am + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        b = tl.load(b_ptr + cols64[None, :] * stride_bn + ks[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        if GROUPED:
+            bs = tl.load(bs_ptr + cols64 * G + k0 // group_k, mask=col_ok, other=0.0)
+            acc += part * bs[None, :]
+        else:
+            acc += part
+    a_s = tl.load(as_ptr + rows, mask=row_ok, other=0.0)
+    acc = acc * a_s[:, None]
+    if not GROUPED:
+        acc = acc * tl.load(bs_ptr + cols64 * G, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + rows64[:, None] * stride_cm + cols64[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, int, int]:
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
+    block_n = 32 if m <= 16 else 64 if m <= 64 else 128
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(128, max(32, triton.next_power_of_2(k)))
+    if grouped:  # one weight scale per K step
+        block_k = min(block_k, group_k)
+    return block_m, block_n, block_k
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group_k: int,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8 a [M, K] with per-row scales [M, 1] times fp8 weight [N, K]^T with [N, G] scales."""
+    m, k = a.shape
+    n, groups = scale.shape
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return c
+    grouped = groups > 1
+    if grouped and (group_k & (group_k - 1) or group_k < 16):
+        raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
+    bm, bn, bk = _tiles(m, n, k, group_k, grouped)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+    _fp8_gemm[grid](
+        a, a_scale, weight, scale, bias if bias is not None else c, c, m, n, k, groups,
+        group_k, a.stride(0), weight.stride(0), c.stride(0),
+        HAS_BIAS=bias is not None, GROUPED=grouped,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bm * bn <= 64 * 64 else 8,
+    )  # fmt: skip
+    return c
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The `fp8_linear` op on the device: x [..., K] -> [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, s = quantize_fp8_rows(x2)
+    y = fp8_gemm(q, s, weight, scale, group_k, bias, x.dtype)
+    return y.view(*shape[:-1], weight.shape[0])

@@ -1,0 +1,83 @@
+"""The fp8 and int4 Triton GEMMs against the torch reference (paged.quantization.reference)
+with the same scales, in the interpreter: tiny shapes, per-channel and block scales, GEMV and
+GEMM row counts, bias, ragged edges."""
+
+import pytest
+import torch
+
+from paged.quantization import reference as ref
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().max().clamp(min=1.0)
+    assert (got.float() - want.float()).abs().max() <= tol * scale
+
+
+def test_quantize_rows_matches_reference(device):
+    from paged.kernels.fp8_gemm import quantize_fp8_rows
+
+    x = torch.randn(5, 70) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 2.0])[:, None]
+    q, s = quantize_fp8_rows(x.to(device))
+    rq, rs = ref.quantize_fp8_rows(x)
+    assert torch.allclose(s.cpu(), rs, rtol=1e-6)
+    assert torch.equal(q.cpu().float(), rq.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k, group_k", [(1, 48, 64, None), (7, 40, 96, None),
+                                              (33, 64, 256, 128), (3, 24, 200, 64)])  # fmt: skip
+def test_fp8_linear_matches_reference(device, dtype, m, n, k, group_k):
+    from paged.kernels.fp8_gemm import fp8_linear
+
+    g = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    if group_k is None:  # per output channel
+        q, s = ref.quantize_fp8_rows(w)
+        group_k = k
+    else:  # block scales over groups of input columns
+        groups = -(-k // group_k)
+        s = torch.rand(n, groups, generator=g) * 0.01 + 0.001
+        q = (w / ref.expand_groups(s, group_k, k)).clamp(-448, 448).to(ref.FP8)
+    want = ref.fp8_linear(x, q, s, group_k, bias)
+    got = fp8_linear(x.to(device), q.to(device), s.to(device), group_k, bias.to(device))
+    _close(got.cpu(), want, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k, group_k", [(1, 40, 256, 128), (3, 64, 128, 32),
+                                              (6, 24, 256, 128), (20, 72, 128, 64)])  # fmt: skip
+def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k):
+    from paged.kernels.int4_gemm import int4_linear
+
+    g = torch.Generator().manual_seed(m + n + k)
+    codes = ref.pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    scales = torch.rand(n, k // group_k, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 16, (n, k // group_k), generator=g).to(torch.uint8)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    want = ref.int4_linear(x, codes, scales, zeros, group_k, bias)
+    args = (codes, scales, zeros)
+    got = int4_linear(x.to(device), *(a.to(device) for a in args), group_k, bias.to(device))
+    _close(got.cpu(), want, TOL[dtype])
+
+
+def test_int4_pack_roundtrip():
+    v = torch.randint(0, 16, (5, 64))
+    assert torch.equal(ref.unpack_int4(ref.pack_int4(v)).long(), v)
+
+
+def test_empty_batch(device):
+    from paged.kernels.fp8_gemm import fp8_linear
+    from paged.kernels.int4_gemm import int4_linear
+
+    x = torch.zeros(0, 64, device=device)
+    w, s = ref.quantize_fp8_rows(torch.randn(16, 64))
+    assert fp8_linear(x, w.to(device), s.to(device), 64).shape == (0, 16)
+    codes = torch.zeros(16, 8, dtype=torch.int32, device=device)
+    sc, z = torch.ones(16, 1, device=device), torch.zeros(16, 1, dtype=torch.uint8, device=device)
+    assert int4_linear(x, codes, sc, z, 64).shape == (0, 16)
