@@ -90,6 +90,14 @@ class EngineConfig:
     )
     served_model_name: str | None = _opt("model name reported by the API")
     chat_template: str | None = _opt("a Jinja chat template file or string")
+    runner: str = _opt(
+        "auto | generate | pooling (embeddings: /v1/embeddings, LLM.embed); auto: pooling for "
+        "a checkpoint without an LM head or a sentence-transformers model", default="auto",
+        choices=("auto", "generate", "pooling"),
+    )
+    pooler_config: str | dict | None = _opt(
+        'pooling override, JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}'
+    )
     structured_outputs_backend: str = _opt(
         "grammar backend of structured outputs: xgrammar | auto (xgrammar) | llguidance "
         "(when installed)",
@@ -136,6 +144,11 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend must be mp or ray")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        from paged.model.pooling_config import RUNNERS, parse_pooler_config
+
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        parse_pooler_config(self.pooler_config)
         from paged.sampling.structured import check_backend
 
         check_backend(self.structured_outputs_backend)

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
 from paged.engine.messages import EngineOutput  # re-exported: defined with the wire types
+from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
 from paged.lora.request import LoRARequest
+from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
 from paged.sampling.structured import StructuredOutputs
@@ -54,6 +56,12 @@ class EngineCore:
         self.platform.configure(config.platform_options)
         self.hf_config, self.source = load_model_config(config)
         self.config = config = resolve_config(config, self.platform, self.hf_config)
+        # --runner: a pooling model is built without its LM head (docs/models.md, Embeddings)
+        runner = resolve_runner(config.runner, self.hf_config, self.source)
+        if runner == "pooling" and config.pipeline_parallel_size > 1:
+            raise ValueError("runner pooling: not supported with pipeline_parallel_size > 1")
+        self.config = config = dataclasses.replace(config, runner=runner)
+        self.pooler = resolve_pooler(config.pooler_config, self.hf_config, self.source)
         self.max_model_len = config.max_model_len
         self.eos_token_ids = eos_ids(self.hf_config)
         self.vocab_size = self.hf_config.vocab_size
@@ -105,8 +113,15 @@ class EngineCore:
             raise ValueError("prompt: must not be empty")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.pooling is not None:  # an embedding request: may fill the context
+            prompt_token_ids, params = self._pooling_request(prompt_token_ids, params)
+        elif self.config.runner == "pooling":
+            raise ValueError(
+                "model: this model runs for pooling (--runner pooling, no LM head): it serves "
+                "embeddings (/v1/embeddings, LLM.embed), not generation"
+            )
         n = len(prompt_token_ids)
-        if n >= self.max_model_len:
+        if n >= self.max_model_len and params.pooling is None:
             raise ValueError(
                 f"prompt: {n} tokens, but the model's context length is "
                 f"{self.max_model_len} (the prompt must leave room for output)"
@@ -157,6 +172,13 @@ class EngineCore:
             r.lora_int_id == lora_int_id for r in self.requests.values()
         ):
             self.runner.lora.forget(lora_int_id)
+
+    def _pooling_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError("input: embeddings are not supported with pipeline parallelism")
+        return prepare_pooling(self.pooler, params, prompt_token_ids, self.max_model_len)
 
     def abort(self, request_ids: list[str], reason: str = "abort") -> None:
         for rid in request_ids:
@@ -268,6 +290,7 @@ class EngineCore:
         batch, handle, computed = launched
         try:
             sampled, logprobs = handle.result()
+            embeddings = handle.embeddings()
             for rid, (first, entries, ranks) in handle.prompt_logprobs().items():
                 if rid in self.requests:
                     self.requests[rid].add_prompt_logprobs(first, entries, ranks)
@@ -296,6 +319,14 @@ class EngineCore:
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out.prompt_logprobs, out.prompt_ranks = req.prompt_logprobs, req.prompt_ranks
                 req.prompt_logprobs_sent = True
+            outs.append(out)
+        for rid, vec in embeddings.items():  # embedding requests whose prompt is done
+            req = self.requests.pop(rid, None)
+            if req is None or req.finished:  # aborted while the step ran
+                continue
+            self.scheduler.finish(req, "stop")
+            out = self._output(req, [])
+            out.embedding = vec
             outs.append(out)
         return outs
 

@@ -65,8 +65,11 @@ class KVCacheManager:
 
     def find_cached(self, req: Request) -> list[Block]:
         """Cached blocks of the longest cached prefix; leaves at least one token to compute."""
+        pooling = req.params.pooling
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []  # prompt_logprobs need the logits of every prompt token
+        if pooling is not None and pooling.needs_every_token:
+            return []  # MEAN / CLS pooling: the hidden states of every prompt token
         hashes = self._hash_blocks(req, req.num_tokens - 1)
         bs, hits = self.block_size, []
         for i, h in enumerate(hashes):

@@ -22,8 +22,16 @@ from paged.engine.outputs import (
     to_logprobs,
     with_best_of_logprobs,
 )
+from paged.engine.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+)
+from paged.engine.pooling import run_offline as run_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.lora.request import LoRARequest
+from paged.pooling_params import PoolingParams
 from paged.sampling.params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("paged")
@@ -316,3 +324,48 @@ class LLM:
             time_in_queue=None if scheduled is None else scheduled - arrival,
             finished_time=max((t for t in ended if t), default=None),
         )
+
+    # ---- embeddings (docs/models.md, Embeddings) ----------------------------------------
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one pooled vector per prompt (`.outputs.embedding`)."""
+        return [
+            EmbeddingRequestOutput(rid, EmbeddingOutput(vec), ids, True, cached)
+            for rid, ids, vec, cached in self._pool(prompts, pooling_params, truncate_prompt_tokens,
+                                                  use_tqdm)
+        ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str = "embed",
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode for the embed task: `.outputs.data`, a float32 tensor."""
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        return [
+            PoolingRequestOutput(rid, PoolingOutput.of(vec), ids, True, cached)
+            for rid, ids, vec, cached in self._pool(prompts, pooling_params, truncate_prompt_tokens,
+                                                  use_tqdm)
+        ]
+
+    def _pool(self, prompts, pooling_params, truncate_prompt_tokens: int | None, use_tqdm: bool):
+        prompts = self._normalize(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if isinstance(params, PoolingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("pooling_params: one per prompt, or a single one for all")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                      for p in params]  # fmt: skip
+        tokenized = [self._tokenize(p) for p in prompts]
+        return run_pooling(self.engine, tokenized, list(params), self._ids, use_tqdm)

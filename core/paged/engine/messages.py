@@ -38,6 +38,7 @@ class EngineOutput(msgspec.Struct, **_WIRE):
     # and the prompt token's rank, for prompt tokens 1.. (token 0 has none)
     prompt_logprobs: list[dict[int, float]] | None = None
     prompt_ranks: list[int] | None = None
+    embedding: list[float] | None = None  # a pooling request's vector (with finished)
 
 
 class EngineInfo(msgspec.Struct, **_WIRE):

@@ -72,6 +72,8 @@ class Scheduler:
                 continue
             if req.num_pending and self._length_reached(req, req.num_tokens):
                 continue  # its last token is still being sampled: it ends when that lands
+            if req.num_computed_tokens >= req.num_tokens:
+                continue  # an embedding request whose last chunk is in flight
             if not self._lora_fits(req, loras):
                 continue  # its adapter waits for a step with a free slot
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -155,7 +157,7 @@ class Scheduler:
         for req, n in zip(batch.reqs, batch.num_new):
             req.num_computed_tokens += n
             computed.append(req.num_computed_tokens)
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == req.num_tokens and req.params.pooling is None:
                 req.token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
         for leader, followers in batch.forks:

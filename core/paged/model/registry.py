@@ -13,6 +13,10 @@ def model_class(hf_config) -> type:
     for arch in archs:
         if arch in models:
             return models[arch]
+    for arch in archs:  # a bare decoder (Qwen3Model: an embedding checkpoint) runs as its LM
+        causal = arch.removesuffix("Model") + "ForCausalLM"
+        if arch.endswith("Model") and causal in models:
+            return models[causal]
     raise ValueError(
         f"unsupported model architecture {archs or '(none given)'}; "
         f"supported: {', '.join(sorted(models))}"
@@ -25,7 +29,7 @@ def check_supported(hf_config, platform: Any) -> None:
     cls = model_class(hf_config)
     lacking = sorted(set(getattr(cls, "requires", ())) & set(platform.unsupported_features))
     if lacking:
-        arch = next(a for a in hf_config.architectures if extra_models().get(a) is cls)
+        arch = hf_config.architectures[0]
         raise ValueError(
             f"model architecture {arch} cannot run on platform {platform.name}: it needs "
             f"{', '.join(lacking)}, which {platform.name} does not support"

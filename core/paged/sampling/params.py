@@ -7,6 +7,8 @@ import json as _json
 import math
 from dataclasses import dataclass, field
 
+from paged.pooling_params import PoolingParams
+
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -101,6 +103,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs of each prompt token (and its own)
     spaces_between_special_tokens: bool = True  # in the text (tokenizers that support it)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLM.stream's outputs
+    # An embedding request: the prompt is pooled into a vector, nothing is sampled.
+    pooling: PoolingParams | None = None
     # Filled by the engine: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

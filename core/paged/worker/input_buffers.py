@@ -86,7 +86,8 @@ class InputBuffers:
         slots = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
         # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
         totals = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
-        last = (ends - 1)[seq >= totals]
+        pools = np.fromiter((r.params.pooling is not None for r in reqs), dtype=bool, count=b)
+        last = (ends - 1)[(seq >= totals) & ~pools]  # embedding requests sample nothing
         prompt_rows = [  # prompt_logprobs: the rows before the last prompt token's
             np.arange(e - n, e - n + max(0, min(n, r.num_prompt_tokens - 1 - s)))
             for r, s, n, e in zip(reqs, starts.tolist(), batch.num_new, ends.tolist())

@@ -20,6 +20,7 @@ from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
 from paged.scheduled import ScheduledBatch
 from paged.worker.input_buffers import InputBuffers
 from paged.worker.pipeline import pipeline_forward
+from paged.worker.pooler import Pooler
 
 log = logging.getLogger("paged")
 STEP, STOP = 1, 2  # the first int of a step header the driver sends the other ranks
@@ -81,6 +82,7 @@ class ModelRunner:
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
         )
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
+        self.pooler = Pooler()  # embedding requests' vectors (and their state across chunks)
         # --seed: unseeded requests draw from torch's default generators, seeded here (as vLLM
         # seeds its workers), so the same requests in the same order sample the same tokens.
         torch.manual_seed(config.seed)
@@ -89,6 +91,10 @@ class ModelRunner:
         cls = model_class(self.hf_config)
         with torch.device("meta"):
             model = cls(self.hf_config, self.backend, self.max_model_len)
+        if self.config.runner == "pooling":  # no LM head: embeddings only (its weights unused)
+            model.lm_head = None
+            if weights is not None:
+                weights = ((n, t) for n, t in weights if not n.startswith("lm_head."))
         model = model.to_empty(device=self.device).to(self.dtype)
         model.init_rope(self.device)
         t0 = time.perf_counter()
@@ -144,7 +150,7 @@ class ModelRunner:
             input_ids, positions, meta, _ = self.prepare(batch)
             rows = torch.zeros(cfg.max_num_seqs, dtype=torch.long, device=self.device)
             hidden = self.forward(input_ids, positions, meta, rows)
-            if hidden is not None:
+            if hidden is not None and self.config.runner != "pooling":
                 logits = self.model.compute_logits(hidden)
                 if logits is not None:
                     logits.softmax(-1)
@@ -164,8 +170,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
-        """Queue one step on the device: forward, logits, sampling. Input tokens still pending
-        from `prev` (the step in flight) are taken from its sampled tokens on the device."""
+        """Queue one step on the device: forward, logits, sampling, and the vectors of the
+        embedding requests that complete their prompt (StepHandle.embeddings)."""
+        self.pooler.forget(batch.finished_ids)
+        self.pooled = None
+        handle = self._launch(batch, prev)
+        if self.pooled is not None:
+            ids, lens, vecs = self.pooled
+            if self.overlap and self.device.type != "cpu":
+                vecs = self._to_host(vecs)
+                handle.event = torch.Event(device=self.device)  # after every copy of the step
+                handle.event.record()
+            handle.pooled = (ids, lens, vecs)
+        return handle
+
+    def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
+        """Input tokens still pending from `prev` (the step in flight) are taken from its
+        sampled tokens on the device."""
         for rid in batch.finished_ids:
             self.generators.pop(rid, None)
         prev_rows = prev.rows if prev is not None else None
@@ -181,8 +202,17 @@ class ModelRunner:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
-        hidden = self.forward(input_ids, positions, meta, logits_idx)
-        reqs = [r for r, s in zip(batch.reqs, meta.seq_lens_cpu) if s >= r.num_tokens]
+        if Pooler.wanted(batch):  # embeddings: every row's hidden state (one pipeline stage)
+            every = self.step_runner.forward(input_ids, positions, meta)
+            self.pooled = self.pooler.pool(every, batch)
+            hidden = every[logits_idx] if logits_idx.numel() else None
+        else:
+            hidden = self.forward(input_ids, positions, meta, logits_idx)
+        reqs = [
+            r
+            for r, s in zip(batch.reqs, meta.seq_lens_cpu)
+            if s >= r.num_tokens and r.params.pooling is None
+        ]
         if logits_idx.numel() == 0:
             return StepHandle(reqs, None, [], None)
         logits = self.model.compute_logits(hidden)
@@ -325,6 +355,19 @@ class StepHandle:
         self.ranks: dict[str, int] = {}  # the sampled token's rank, where logprobs were asked
         self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
         self.prompt_host: list[torch.Tensor] = []
+        self.pooled = None  # embeddings: (request ids, lengths, vectors concatenated)
+
+    def embeddings(self) -> dict[str, list[float]]:
+        """{request id: vector} of the embedding requests this step completed. Waits for it."""
+        if self.pooled is None:
+            return {}
+        if self.event is not None:
+            self.event.synchronize()
+        ids, lens, vecs = self.pooled
+        flat, out, at = vecs.tolist(), {}, 0
+        for rid, n in zip(ids, lens):
+            out[rid], at = flat[at : at + n], at + n
+        return out
 
     def prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]], list[int]]]:
         """{request id: (position of the first token, [{token: logprob} with its top-k],
