@@ -67,8 +67,8 @@ def test_from_engine_messages_round_trip():
         m.EngineOutput("d", [], True, "rejected", error="prompt: too long"),
     ]
     stats = {"num_requests_running": 2, "kv_cache_usage_perc": 0.25}
-    back = _both_ways(m.Outputs(outs, stats, [0.01]), dec)
-    assert back == m.Outputs(outs, stats, [0.01])
+    back = _both_ways(m.Outputs(outs, stats, {"a": 0.01}), dec)
+    assert back == m.Outputs(outs, stats, {"a": 0.01})
     assert back.outputs[1].logprobs == [{7: -0.5, 8: -1.25}]
     assert back.outputs[1].stop_reason == "END" and back.outputs[2].stop_reason == 9
 

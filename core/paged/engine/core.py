@@ -143,6 +143,11 @@ class EngineCore:
                     f"logit_bias: token id {t} is out of vocabulary "
                     f"(vocabulary size {self.vocab_size})"
                 )
+        for name in ("logprobs", "prompt_logprobs"):  # --max-logprobs
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name}: {k} asked for, but this server returns at most "
+                                 f"{self.config.max_logprobs} (--max-logprobs)")  # fmt: skip
         if lora_request is not None:  # read and checked against the model once per id
             if self.runner.lora is None:
                 raise ValueError("lora_request: LoRA adapters need --enable-lora")

@@ -69,9 +69,23 @@ class LLM:
                 log.warning("no tokenizer (%s): only token-id prompts will work", e)
         self.chat_template = load_chat_template(self.config.chat_template)
         self._ids = itertools.count()
+        self._defaults: dict[str, Any] | None = None  # of the generation config
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling_params samples with: SamplingParams() with the
+        defaults of --generation-config (the model's generation_config.json by default)."""
+        if self._defaults is None:
+            from paged.engine.generation_config import generation_defaults
+
+            src, c = self.engine.source, self.config
+            path = src.path if src is not None else None
+            self._defaults = generation_defaults(
+                c.generation_config, path, c.override_generation_config
+            )
+        return SamplingParams(**self._defaults)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -206,7 +220,7 @@ class LLM:
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * count
         if len(params) != count:
