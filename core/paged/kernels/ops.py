@@ -26,6 +26,18 @@ def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
     return rotary_embedding(pos, q, k, cache, q.shape[-1])
 
 
+def _fp8_linear(x, weight, scale, group_k, bias=None):
+    from paged.kernels.fp8_gemm import fp8_linear
+
+    return fp8_linear(x, weight, scale, group_k, bias)
+
+
+def _int4_linear(x, codes, scales, zeros, group_k, bias=None):
+    from paged.kernels.int4_gemm import int4_linear
+
+    return int4_linear(x, codes, scales, zeros, group_k, bias)
+
+
 def triton_fused_ops() -> dict[str, Callable]:
     """{op name: Triton kernel} for `Platform.ops()`; empty (the torch defaults) without triton."""
     if find_spec("triton") is None:
@@ -39,6 +51,8 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rotary_embedding": _rotary_embedding,
         "silu_and_mul": kernels.silu_and_mul,
         "fused_moe": kernels.fused_moe,
+        "fp8_linear": _fp8_linear,  # paged.quantization's linears
+        "int4_linear": _int4_linear,
         "lora_shrink": kernels.lora_shrink,
         "lora_expand": kernels.lora_expand,
     }

@@ -11,6 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from paged.quantization.reference import fp8_linear, int4_linear
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
@@ -144,6 +146,8 @@ _DEFAULTS: dict[str, Callable] = {
     "silu_and_mul": silu_and_mul,
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
+    "fp8_linear": fp8_linear,  # quantized linears (paged.quantization): fp8 weights
+    "int4_linear": int4_linear,  # AWQ / GPTQ int4 weights
     "lora_shrink": lora_shrink,  # multi-LoRA (paged.lora.layers)
     "lora_expand": lora_expand,
 }

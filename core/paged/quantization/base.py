@@ -33,6 +33,8 @@ class QuantMethod:
     # Checkpoint formats (AWQ, GPTQ, FP8 files) cannot be read into a model part that is not
     # a QuantLinear (MoE experts); a method quantizing float weights at load can leave them.
     from_checkpoint: ClassVar[bool] = True
+    # The checkpoint tensor names (after the layer's) `convert` reads; others pass through.
+    suffixes: ClassVar[frozenset[str]] = frozenset({"weight"})
 
     def describe(self) -> str:
         return self.name
@@ -153,14 +155,15 @@ def convert_checkpoint(
     weights: Iterable[tuple[str, torch.Tensor]], method: QuantMethod, targets: set[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with those of each quantized linear (`targets`) converted by
-    `method` (grouped per layer until complete); biases and other tensors pass through."""
+    `method` (grouped per layer until complete); biases and other tensors pass through
+    (a KV cache scale stored under k_proj, for instance)."""
     from paged.model.loader import ModelLoadError
 
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, suffix = name.rpartition(".")
         m = _LAYER_TAIL.search(prefix)
-        if m is None or m.group(1) not in targets or suffix == "bias":
+        if m is None or m.group(1) not in targets or suffix not in method.suffixes:
             yield name, tensor
             continue
         group = pending.setdefault(prefix, {})

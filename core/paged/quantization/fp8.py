@@ -21,6 +21,7 @@ from paged.quantization.reference import FP8, quantize_fp8_rows
 
 class Fp8Method(QuantMethod):
     name = "fp8"
+    suffixes = frozenset({"weight", "weight_scale", "weight_scale_inv", "input_scale"})
 
     def __init__(self, block: tuple[int, int] | None = None, source: str | None = None):
         """`block`: (rows, columns) of a checkpoint's block scales; None: per channel.

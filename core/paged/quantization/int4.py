@@ -38,6 +38,8 @@ def _unpack_columns(packed: torch.Tensor, awq: bool) -> torch.Tensor:
 class Int4Method(QuantMethod):
     """AWQ or GPTQ weights, 4 bits, `group_size` input columns per scale and zero."""
 
+    suffixes = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight"})
+
     def __init__(self, name: str, group_size: int, zero_offset: int = 0) -> None:
         if group_size < 8 or group_size & (group_size - 1):
             raise ValueError(f"quantization {name}: group_size {group_size} is not supported "

@@ -15,6 +15,7 @@ from paged.model.llama import head_dim_of
 from paged.model.parallel import head_shard
 from paged.model.registry import model_class
 from paged.platform import Platform
+from paged.quantization import building, init_dummy, quant_method, quantized_weights
 from paged.sampling.params import SamplingParams
 from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
 from paged.scheduled import ScheduledBatch
@@ -89,7 +90,8 @@ class ModelRunner:
 
     def _build_model(self, weights, source) -> torch.nn.Module:
         cls = model_class(self.hf_config)
-        with torch.device("meta"):
+        method = quant_method(self.config.quantization, self.hf_config, dummy=weights is None)
+        with torch.device("meta"), building(method):  # --quantization: quantized linears
             model = cls(self.hf_config, self.backend, self.max_model_len)
         if self.config.runner == "pooling":  # no LM head: embeddings only (its weights unused)
             model.lm_head = None
@@ -101,12 +103,16 @@ class ModelRunner:
         if weights is None:  # dummy: seeded random weights, drawn on the device
             gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
             with torch.no_grad():
+                done = set(init_dummy(model, gen))  # quantized linears draw their own
                 for name, p in model.named_parameters():
+                    if name in done:
+                        continue
                     if "norm" in name:
                         p.fill_(1.0)
                     else:
                         p.normal_(0.0, 0.02, generator=gen)
         else:
+            weights = quantized_weights(model, method, weights)  # converted for its linears
             loaded = model.load_weights(weights)
             missing = model.expected_weights() - loaded
             if missing:
