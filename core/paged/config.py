@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,19 @@ def parse_bytes(text: str | int | None) -> int | None:
     if not m:
         raise ValueError(f"invalid size {text!r}: use e.g. 4GiB, 512MiB or a byte count")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def json_dict(text: str | dict | None) -> dict | None:
+    """A JSON object given on the command line (or already a dict)."""
+    if text is None or isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"invalid JSON {text[:100]!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text[:100]!r}")
+    return value
 
 
 def _opt(help: str, **kw: Any) -> Any:
@@ -81,17 +95,19 @@ class EngineConfig:
     seed: int = _opt("seed for weights of --load-format dummy and unseeded sampling", default=0)
     tensor_parallel_size: int = _opt(
         "devices one model is split over, by attention heads and MLP columns (one process "
-        "each)", default=1, type=int
+        "each)", default=1, type=int, aliases=("-tp",)
     )
     pipeline_parallel_size: int = _opt(
-        "stages the layers are split into (one process group each)", default=1, type=int
+        "stages the layers are split into (one process group each)", default=1, type=int,
+        aliases=("-pp",),
     )
     pipeline_micro_batches: int = _opt(
         "with pipeline stages: micro-batches a step's requests are split into, so that stages "
         "work at once (0: two per stage; 1: stages one after another)", default=0, type=int
     )
     data_parallel_size: int = _opt(
-        "engine replicas behind one server, each with its own devices", default=1, type=int
+        "engine replicas behind one server, each with its own devices", default=1, type=int,
+        aliases=("-dp",),
     )
     distributed_executor_backend: str = _opt(
         "how worker processes start: mp (this host) | ray (a Ray cluster, across nodes)",
@@ -111,6 +127,31 @@ class EngineConfig:
         "grammar backend of structured outputs: xgrammar | auto (xgrammar) | llguidance "
         "(when installed)",
         default="auto",
+    )
+    # vLLM's spellings (docs/cli.md): each is honoured or refused with the reason.
+    structured_outputs_config: dict | None = _opt(
+        'vLLM\'s JSON form of --structured-outputs-backend: {"backend": "xgrammar"}',
+        type=json_dict,
+    )
+    enable_chunked_prefill: bool = _opt(
+        "split prompts longer than --max-num-batched-tokens into chunks (always on: "
+        "--no-enable-chunked-prefill is refused)", default=True
+    )
+    swap_space: float | None = _opt(
+        "refused above 0: paged frees a preempted request's KV blocks and recomputes them, it "
+        "has no CPU swap space", type=float
+    )
+    max_logprobs: int = _opt(
+        "most logprobs / prompt_logprobs one request may ask for (0-20)", default=20, type=int
+    )
+    generation_config: str = _opt(
+        "sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json), vllm (none) or a folder holding a generation_config.json",
+        default="auto",
+    )
+    override_generation_config: dict | None = _opt(
+        'JSON generation-config keys applied over --generation-config, e.g. '
+        '{"temperature": 0.5, "max_new_tokens": 256}', type=json_dict
     )
     enable_lora: bool = _opt(
         "serve LoRA adapters (PEFT format) on top of the model (docs/lora.md)", default=False
@@ -161,6 +202,7 @@ class EngineConfig:
         parse_pooler_config(self.pooler_config)
         from paged.sampling.structured import check_backend
 
+        _check_vllm_flags(self)
         check_backend(self.structured_outputs_backend)
         _check_lora(self)
         if self.platform_options:
@@ -195,6 +237,10 @@ class EngineConfig:
                 continue
             if f.name == "model" and positional_model:
                 parser.add_argument("model", nargs="?", default=None, help=help)
+                parser.add_argument(
+                    "--model", dest="model_flag", default=None, metavar="MODEL",
+                    help="the model as a flag (vLLM's spelling): the same as the argument",
+                )
             elif f.type in ("bool", bool, "bool | None"):
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help
@@ -202,6 +248,7 @@ class EngineConfig:
             else:
                 parser.add_argument(
                     flag,
+                    *f.metadata.get("aliases", ()),
                     type=f.metadata.get("type", str),
                     choices=f.metadata.get("choices"),
                     nargs=f.metadata.get("nargs"),
@@ -229,6 +276,10 @@ class EngineConfig:
         values = vars(args)
         options = {k: values[k] for k in platform_options() if values.get(k) is not None}
         kwargs = {k: v for k, v in values.items() if k in names}
+        if values.get("model_flag") is not None:  # --model, vLLM's spelling
+            if kwargs.get("model") not in (None, values["model_flag"]):
+                raise ValueError("model: given both as the argument and as --model")
+            kwargs["model"] = values["model_flag"]
         return cls(**kwargs, platform_options=options)
 
 
@@ -241,6 +292,46 @@ def platform_options() -> dict[str, tuple[str, PlatformOption]]:
         for opt in cls.options:
             out.setdefault(opt.name, (cls.name, opt))
     return out
+
+
+# vLLM's structured_outputs_config backends -> ours (check_backend refuses what paged lacks)
+_SO_BACKENDS = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "llguidance"}
+
+
+def _check_vllm_flags(c: EngineConfig) -> None:
+    """vLLM's flags: honoured (mapped onto ours), or a ValueError saying why not."""
+    if not c.enable_chunked_prefill:
+        raise ValueError(
+            "enable_chunked_prefill: paged always splits prompts longer than "
+            "max_num_batched_tokens into chunks; it cannot be turned off"
+        )
+    if c.swap_space:
+        raise ValueError(
+            "swap_space: paged has no CPU swap space: a preempted request's KV blocks are freed "
+            "and recomputed when it resumes (its output is unchanged); leave it unset or 0"
+        )
+    if not 0 <= c.max_logprobs <= 20:
+        raise ValueError(f"max_logprobs: must be in [0, 20] (paged returns at most 20 "
+                         f"logprobs per token), got {c.max_logprobs}")  # fmt: skip
+    c.structured_outputs_config = json_dict(c.structured_outputs_config)
+    so = dict(c.structured_outputs_config or {})
+    if "backend" in so:
+        backend = so.pop("backend")
+        if backend not in _SO_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend: {backend!r} is not one of "
+                f"{', '.join(_SO_BACKENDS)} (outlines and lm-format-enforcer are not supported)"
+            )
+        c.structured_outputs_backend = _SO_BACKENDS[backend]
+    if so:
+        raise ValueError(
+            f"structured_outputs_config: {', '.join(sorted(so))}: not supported (only "
+            "backend; disable_any_whitespace is a per-request field of structured_outputs)"
+        )
+    from paged.engine.generation_config import check_generation_flags
+
+    c.override_generation_config = json_dict(c.override_generation_config)
+    check_generation_flags(c.generation_config, c.override_generation_config)
 
 
 def _check_lora(c: EngineConfig) -> None:
