@@ -157,3 +157,32 @@ def test_n_samples_compute_the_prompt_once_in_metrics(http):
     n = got["usage"]["prompt_tokens"]
     assert counter("prompt_tokens") - before[1] == n
     assert counter("prompt_tokens_computed") - before[0] == n  # once, not 4 times
+
+
+CHAT = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 3,
+        "temperature": 0}  # fmt: skip
+
+
+def test_chat_prompt_logprobs_equal_the_completions_ones(http):
+    """The rendered chat prompt's prompt_logprobs equal /v1/completions' for the same ids."""
+    got = ok(http.post("/v1/chat/completions", json=CHAT | {"prompt_logprobs": 2}))
+    ids = ok(http.post("/tokenize", json={"messages": CHAT["messages"]}))["tokens"]
+    plp = got["prompt_logprobs"]
+    assert len(plp) == len(ids) == got["usage"]["prompt_tokens"] and plp[0] is None
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    ref = ok(http.post("/v1/completions", json=body))["choices"][0]["prompt_logprobs"]
+    for mine, theirs, tid in zip(plp[1:], ref[1:], ids[1:]):
+        assert mine[str(tid)]["logprob"] == pytest.approx(theirs[str(tid)]["logprob"], abs=1e-4)
+        assert mine[str(tid)]["rank"] == theirs[str(tid)]["rank"]
+    assert "prompt_logprobs" not in ok(http.post("/v1/chat/completions", json=CHAT))
+    r = http.post("/v1/chat/completions", json=CHAT | {"prompt_logprobs": 1, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_chat_truncate_prompt_tokens(http):
+    got = ok(http.post("/v1/chat/completions", json=CHAT | {"truncate_prompt_tokens": 4}))
+    assert got["usage"]["prompt_tokens"] == 4
+    for k in (0, 10**6):
+        r = http.post("/v1/chat/completions", json=CHAT | {"truncate_prompt_tokens": k})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -13,7 +13,7 @@ from paged.sampling.structured import check_spec
 from paged.server.beam import beam_response, check_beam_request, run_beam_search
 from paged.server.chat_parsing import ChatParsing, ChatStreamer, ParsingOptions
 from paged.server.errors import APIError, bad_request
-from paged.server.logprobs import Pending, chat_logprobs
+from paged.server.logprobs import Pending, chat_logprobs, prompt_logprobs
 from paged.server.protocol import ChatCompletionRequest
 from paged.server.serving import (
     Prompt,
@@ -43,12 +43,24 @@ async def create_chat_completion(
         msg = "max_completion_tokens: give max_tokens or max_completion_tokens, not both"
         raise APIError(400, msg, "max_completion_tokens")
     max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    if req.prompt_logprobs is not None and req.stream:
+        msg = "prompt_logprobs: not supported with stream on chat completions"
+        raise APIError(400, msg, "prompt_logprobs")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > sv.max_model_len:
+        msg = (
+            f"truncate_prompt_tokens: {req.truncate_prompt_tokens} is more than the model's "
+            f"maximum context length ({sv.max_model_len} tokens)"
+        )
+        raise APIError(400, msg, "truncate_prompt_tokens")
     params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     text, ids = await sv.render_chat(
         req.messages, req.add_generation_prompt, req.tool_dicts(), req.template_kwargs()
     )
     parsing = ChatParsing(sv.parsing, req, text)
     params = _adjust(sv, req, parsing, params)
+    keep = req.truncate_prompt_tokens
+    if keep is not None and len(ids) > keep:  # the rendered prompt's last `keep` tokens
+        ids, text = ids[-keep:], None
     prompt = sv.fit(text, ids, params, "messages")
     rid = new_id("chatcmpl")
     if req.use_beam_search:  # n best beams (server/beam.py)
@@ -130,10 +142,16 @@ async def _full(
         choices.append({"index": i, "message": message, "logprobs": lps,
                         "finish_reason": reason, "stop_reason": st.out.stop_reason})  # fmt: skip
     completion = sum(len(st.out.token_ids) for st in states.values())
-    return _head(sv, rid, "chat.completion") | {
+    body = _head(sv, rid, "chat.completion") | {
         "choices": choices,
         "usage": usage(len(prompt.ids), completion, cached),
     }
+    plp = next((st for st in states.values() if st.prompt_logprobs is not None), None)
+    if getattr(req, "prompt_logprobs", None) is not None and plp is not None:
+        body["prompt_logprobs"] = prompt_logprobs(
+            sv.tokenizer, prompt.ids, plp.prompt_logprobs, plp.prompt_ranks
+        )
+    return body
 
 
 async def _stream(
