@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
 _WIRE = dict(array_like=True, gc=False)  # compact arrays; no reference cycles to collect
@@ -60,6 +61,7 @@ class NewRequest(msgspec.Struct, **_WIRE):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # a dataclass: msgspec encodes its fields and validates on decode
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class Add(msgspec.Struct, tag="add", **_WIRE):
@@ -74,7 +76,13 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_WIRE):
     pass
 
 
-ToEngine = Add | Abort | Shutdown
+class UnloadLora(msgspec.Struct, tag="lora_unload", **_WIRE):
+    """A LoRA adapter was unloaded: the core frees its slot and host copy."""
+
+    lora_int_id: int
+
+
+ToEngine = Add | Abort | Shutdown | UnloadLora
 
 
 # ---- core -> server ----------------------------------------------------------------------
@@ -91,11 +99,11 @@ class Error(msgspec.Struct, tag="error", **_WIRE):
 class Outputs(msgspec.Struct, tag="out", **_WIRE):
     """One engine step's outputs (or the rejections and aborts of an idle loop), the core's
     metrics after it (EngineCore.metrics()) and the queue times of the requests it first
-    scheduled ({request id: seconds from arrival})."""
+    scheduled (seconds from arrival)."""
 
     outputs: list[EngineOutput]
     stats: dict[str, float]
-    queue_times: dict[str, float]
+    queue_times: list[float]
 
 
 class Alive(msgspec.Struct, tag="alive", **_WIRE):

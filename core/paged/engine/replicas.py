@@ -40,6 +40,7 @@ from typing import Any
 from paged.config import EngineConfig
 from paged.engine.async_engine import AsyncEngine, EngineDeadError, SeqUpdate
 from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes
+from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
@@ -251,12 +252,20 @@ class Replica:
         self.engine.fail(reason)
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         """The engine's generate (started now: its load rises at once), measured."""
         if self._mark is None or self.load == 0:
             self._mark, self._done = time.monotonic(), 0  # a busy interval starts
-        return self._measured(self.engine.generate(request_id, prompt_ids, params), prompt_ids)
+        updates = self.engine.generate(request_id, prompt_ids, params, lora_request)
+        return self._measured(updates, prompt_ids)
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        self.engine.unload_lora(lora_int_id)
 
     async def _measured(
         self, updates: AsyncIterator[SeqUpdate], prompt_ids: list[int]
@@ -537,7 +546,11 @@ class ReplicaSet:
         return self.router.pick(live, prompt_ids, max_tokens, hashes)
 
     def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         """AsyncEngine.generate on the routed replica. Its load rises as soon as the iterator
         starts (the request is sent), before any other request is routed. The replica
@@ -546,8 +559,8 @@ class ReplicaSet:
         hashes = block_hashes(prompt_ids)  # once: for the router and the replica's index
         replica = self.route(prompt_ids, params, hashes)
         replica.prefix.add(hashes)
-        first = replica.generate(request_id, prompt_ids, params)
-        return self._retrying(request_id, prompt_ids, params, replica, first)
+        first = replica.generate(request_id, prompt_ids, params, lora_request)
+        return self._retrying(request_id, prompt_ids, params, replica, first, lora_request)
 
     async def _retrying(
         self,
@@ -556,6 +569,7 @@ class ReplicaSet:
         params: SamplingParams,
         replica: Replica,
         updates: AsyncIterator[SeqUpdate],
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         attempts, produced, t0 = 1, False, time.monotonic()
         try:
@@ -576,7 +590,7 @@ class ReplicaSet:
                 log.warning("request %s: its replica died before it produced a token; sent "
                             "again to replica %d", request_id, replica.index)  # fmt: skip
                 replica.prefix.add(block_hashes(prompt_ids))
-                updates = replica.generate(request_id, prompt_ids, params)
+                updates = replica.generate(request_id, prompt_ids, params, lora_request)
         except EngineDeadError:
             if not produced and self._observer is not None:  # its engines did not count it
                 for _ in range(params.num_sequences):
@@ -598,6 +612,10 @@ class ReplicaSet:
     def abort(self, request_id: str) -> None:
         for r in self.replicas:
             r.abort(request_id)
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        for r in self.replicas:
+            r.unload_lora(lora_int_id)
 
 
 def make_engine(

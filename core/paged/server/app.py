@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 import paged
 from paged.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -20,7 +20,9 @@ from paged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from paged.server.responses_protocol import ResponsesRequest
 from paged.server.serving import Serving
@@ -134,8 +136,7 @@ class Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))  # uvicorn adds it
-        refusal = self._check(path, dict(scope.get("headers") or []))
+        refusal = self._check(scope["path"], dict(scope.get("headers") or []))
         if refusal is not None:
             return await refusal(scope, receive, send)
         body = await self._read_body(receive)
@@ -152,7 +153,7 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        counted = path not in OPEN_PATHS
+        counted = scope["path"] not in OPEN_PATHS
         self.state.inflight += counted
         try:
             await self.app(scope, replay, send)
@@ -216,7 +217,21 @@ def build_app(state: ServerState) -> Any:
         card = {"id": sv.model_name, "object": "model", "created": sv.created}
         card |= {"owned_by": "paged", "root": sv.model_name, "parent": None}
         card |= {"max_model_len": sv.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *sv.loras.cards(sv.created)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        sv.check_ready()
+        sv.loras.check_new(req.lora_name, sv.model_name)
+        await sv.off_loop(sv.loras.load, req.lora_name, req.lora_path, sv.model_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        sv.check_ready()
+        lora = sv.loras.unload(req.lora_name)
+        sv.engine.unload_lora(lora.lora_int_id)  # the core frees its slot and host copy
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:

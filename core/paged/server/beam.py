@@ -59,7 +59,8 @@ async def run_beam_search(
 
     async def expand(step: int, i: int, tokens: list[int]) -> dict[int, float]:
         last = None
-        async for u in sv.engine.generate(f"{rid}-s{step}-b{i}", tokens, step_params):
+        beam = f"{rid}-s{step}-b{i}"
+        async for u in sv.engine.generate(beam, tokens, step_params, prompt.lora):
             last = u.output
         return last.logprobs[0]
 

@@ -397,16 +397,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most one call
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's; not with stream
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the rendered prompt's last k
-
-    def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None = None
-    ) -> SamplingParams:
-        p = super().sampling_params(max_tokens, logprobs)
-        if self.prompt_logprobs is None:
-            return p
-        return dataclasses.replace(p, prompt_logprobs=self.prompt_logprobs)
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
@@ -455,3 +445,17 @@ class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=10_000_000)]
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """vLLM's POST /v1/load_lora_adapter: serve the PEFT adapter in `lora_path` as model
+    `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str

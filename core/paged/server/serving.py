@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.responses import StreamingResponse
 
 from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, SeqUpdate
-from paged.engine.generation_config import apply_defaults
+from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 from paged.server.chat_parsing import ParsingOptions
 from paged.server.errors import APIError, bad_request
+from paged.server.lora_adapters import CURRENT as CURRENT_LORA
+from paged.server.lora_adapters import LoRAAdapters
 from paged.server.protocol import ChatMessage, SamplingRequest
 
 if TYPE_CHECKING:
@@ -73,6 +75,7 @@ class Prompt:
     text: str | None
     ids: list[int]
     params: SamplingParams  # max_tokens fitted to this prompt
+    lora: LoRARequest | None = None  # the adapter the request's `model` named
 
 
 class Serving:
@@ -89,8 +92,7 @@ class Serving:
         self.created = int(time.time())
         self._max_prompt_chars = max_prompt_chars
         self.parsing = ParsingOptions()  # tool-call and reasoning parsers (server flags)
-        # {SamplingParams field: value} for fields a request leaves unset (--generation-config)
-        self.generation_defaults: dict[str, Any] = {}
+        self.loras = LoRAAdapters()  # --enable-lora: adapters by name (server/lora_adapters.py)
         # Tokenizing and chat templating: never on the event loop (a large prompt would stall
         # every other request and /health).
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="paged-tokenize")
@@ -137,8 +139,12 @@ class Serving:
             raise APIError(503, "the engine is starting; retry when /health answers 200")
 
     def check_model(self, name: str | None) -> None:
+        """404 unless `name` is the model or a LoRA adapter (none or "": the model). The
+        adapter it names is this request's: the prompts `fit` builds next run with it."""
         self.check_ready()
-        if name and name != self.model_name:  # none or "": the one model served
+        lora = self.loras.get(name)
+        CURRENT_LORA.set(lora)
+        if name and name != self.model_name and lora is None:
             raise APIError(
                 404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
             )
@@ -162,12 +168,6 @@ class Serving:
             p = req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise bad_request(e) from None
-        if self.generation_defaults:  # the model's defaults for what the request leaves unset
-            unset = {k for k in self.generation_defaults if getattr(req, k, None) is None}
-            try:
-                p = apply_defaults(p, self.generation_defaults, unset)
-            except ValueError as e:
-                raise bad_request(e) from None
         self.check_ids(p.stop_token_ids or [], "stop_token_ids")
         self.check_ids(list(p.logit_bias or {}), "logit_bias")
         return p
@@ -193,13 +193,12 @@ class Serving:
                 "reduce the prompt or max_tokens"
             )
             raise APIError(400, msg, "max_tokens", code)
-        if want is None:  # the context left, or the generation config's max_new_tokens
-            most = min(limit - n, self.generation_defaults.get("max_tokens") or limit)
+        if want is None:
             try:  # validates again: min_tokens may now exceed max_tokens
-                params = dataclasses.replace(params, max_tokens=most)
+                params = dataclasses.replace(params, max_tokens=limit - n)
             except ValueError as e:
                 raise bad_request(e) from None
-        return Prompt(text, ids, params)
+        return Prompt(text, ids, params, CURRENT_LORA.get())
 
     # ---- chat templates ----------------------------------------------------------------
     async def render_chat(
@@ -255,14 +254,15 @@ class Serving:
     ) -> AsyncIterator[tuple[int, SeqUpdate]]:
         """(prompt index, update) from every prompt's request, as they come."""
         if len(prompts) == 1:
-            async for u in self.engine.generate(request_id, prompts[0].ids, prompts[0].params):
+            p = prompts[0]
+            async for u in self.engine.generate(request_id, p.ids, p.params, p.lora):
                 yield 0, u
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(k: int, p: Prompt) -> None:
             try:
-                async for u in self.engine.generate(f"{request_id}-p{k}", p.ids, p.params):
+                async for u in self.engine.generate(f"{request_id}-p{k}", p.ids, p.params, p.lora):
                     q.put_nowait((k, u))
                 q.put_nowait((k, None))
             except BaseException as e:
