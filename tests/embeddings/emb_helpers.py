@@ -78,7 +78,7 @@ def hf_pooled(
     """HF AutoModel's final hidden states pooled: LAST | MEAN | CLS, float32."""
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for ids in prompts:

@@ -126,8 +126,8 @@ def test_llama_with_head_mixes_generation_and_embeddings(llama_lm):
 
 def test_pooler_config_flag(llama_lm):
     """--runner pooling --pooler-config: no LM head is built; CLS without normalisation."""
-    llm = LLM(llama_lm, runner="pooling", pooler_config='{"pooling_type": "CLS", "normalize": false}',
-              **ENGINE)  # fmt: skip
+    pooler = '{"pooling_type": "CLS", "normalize": false}'
+    llm = LLM(llama_lm, runner="pooling", pooler_config=pooler, **ENGINE)
     assert llm.engine.runner.model.lm_head is None
     ps = prompts([3, 50], seed=5)
     out = llm.embed(ps, use_tqdm=False)

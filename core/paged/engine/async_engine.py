@@ -181,21 +181,45 @@ def _core_loop(
             timeout, got = 0, True
         if not core.has_unfinished():
             if got:  # report aborts and rejections even without a step
-                send(m.Outputs(rejected, core.metrics(), []))
+                send(m.Outputs(rejected, core.metrics(), {}))
             continue
         t = time.time()
         outs = core.step()
-        queue_times, done = [], {eo.request_id for eo in outs}
+        queue_times: dict[str, float] = {}
+        done = {eo.request_id for eo in outs}
         for rid, t0 in list(arrivals.items()):  # first scheduled in this step: queue time
             req = core.requests.get(rid)
             if req is None or req.status is not Status.WAITING:
                 del arrivals[rid]
                 if req is not None or rid in done:
-                    queue_times.append(t - t0)
+                    queue_times[rid] = t - t0
         send(m.Outputs(rejected + outs, core.metrics(), queue_times))
 
 
 # ---- the server side -------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    """A request that ended (finished, aborted or failed), for the observer's request_done:
+    the request log, the per-request metrics and its trace span. Times in seconds from its
+    arrival at this engine; None/0.0 when it never got there (no token, never scheduled)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    states: list[OutputState]  # one per sequence: .out.text, .out.token_ids
+    finish_reasons: list[str]  # one per sequence
+    arrival: float  # time.time() when it arrived
+    e2e: float
+    queue_time: float | None  # waiting in the core before it was first scheduled
+    first_token: float  # 0.0: none came
+    last_token: float
+    cached_tokens: int  # prompt tokens found in the prefix cache
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(s.out.token_ids) for s in self.states)
+
+
 @dataclass
 class SeqUpdate:
     """One engine output applied to one sequence of a request (index in 0..n-1)."""
@@ -235,6 +259,7 @@ class AsyncEngine:
         self.lost_uncounted = False
         self._seqs: dict[str, tuple[asyncio.Queue, int]] = {}
         self._children: dict[str, list[str]] = {}
+        self._queued: dict[str, float] = {}  # request id -> its queue time in the core
         self._settled = asyncio.Event()  # ready (core and tokenizer) or dead
         self._proc: Any = None
         self._dir = ""  # of the ipc sockets
@@ -352,8 +377,13 @@ class AsyncEngine:
             self.last_heard = time.monotonic()
             if type(msg) is m.Outputs:
                 self.stats = msg.stats
+                if self.observer is not None:
+                    self.observer.step(self, msg.stats)
                 if self.observer is not None and msg.queue_times:
-                    self.observer.queue_times(msg.queue_times)
+                    self.observer.queue_times(list(msg.queue_times.values()))
+                for rid, seconds in msg.queue_times.items():  # for its RequestRecord
+                    if rid in self._children:
+                        self._queued[rid] = seconds
                 for eo in msg.outputs:
                     entry = self._seqs.get(eo.request_id)
                     if entry is not None:
@@ -402,9 +432,10 @@ class AsyncEngine:
         work = [plen + gen] + [gen] * (n - 1)  # outstanding_tokens of each sequence
         self.outstanding_tokens += sum(work)
         obs = self.observer
-        t0 = time.monotonic()
+        t0, arrival = time.monotonic(), time.time()
         last = [0.0] * n
         done = [False] * n
+        first_at, cached = 0.0, 0  # the first token's time; prompt tokens found cached
         ended = "abort"  # how unfinished sequences end if we leave early: the client went away
         yielded = False
         try:
@@ -426,6 +457,8 @@ class AsyncEngine:
                 work[i] -= spent
                 self.outstanding_tokens -= spent
                 now = time.monotonic()
+                if eo.new_token_ids:
+                    first_at, cached = first_at or now, cached or eo.num_cached_tokens
                 if obs is not None and eo.new_token_ids:  # time to first token, or between
                     obs.tokens(now - (last[i] or t0), len(eo.new_token_ids), first=not last[i])
                     last[i] = now
@@ -442,6 +475,14 @@ class AsyncEngine:
             if obs is not None and ended not in ("rejected", "lost"):  # aborted, failed: count
                 for _ in range(done.count(False)):
                     obs.finished(ended, time.monotonic() - t0)
+                reasons = [s.out.finish_reason or "stop" if d else ended
+                           for s, d in zip(states, done)]  # fmt: skip
+                rec = RequestRecord(request_id, prompt_ids, params, states, reasons, arrival,
+                                    time.monotonic() - t0, self._queued.get(request_id),
+                                    first_at and first_at - t0, max(last) and max(last) - t0,
+                                    cached)  # fmt: skip
+                obs.request_done(rec)
+            self._queued.pop(request_id, None)
 
     def unload_lora(self, lora_int_id: int) -> None:
         """Tell the core an adapter is gone (its slot and host copy are freed)."""

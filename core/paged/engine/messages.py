@@ -99,11 +99,11 @@ class Error(msgspec.Struct, tag="error", **_WIRE):
 class Outputs(msgspec.Struct, tag="out", **_WIRE):
     """One engine step's outputs (or the rejections and aborts of an idle loop), the core's
     metrics after it (EngineCore.metrics()) and the queue times of the requests it first
-    scheduled (seconds from arrival)."""
+    scheduled ({request id: seconds from arrival})."""
 
     outputs: list[EngineOutput]
     stats: dict[str, float]
-    queue_times: list[float]
+    queue_times: dict[str, float]
 
 
 class Alive(msgspec.Struct, tag="alive", **_WIRE):

@@ -14,6 +14,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from paged.config import EngineConfig, parse_bytes
+from paged.server.http_options import add_http_args, check_http_args, scheme, uvicorn_options
+from paged.server.metrics import PREFIXES
+from paged.server.request_log import add_log_args, check_log_args
+from paged.server.tracing import add_tracing_args
 
 if TYPE_CHECKING:
     from paged.engine.faults import Faults
@@ -107,7 +111,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="/v1/responses kept in memory for previous_response_id and GET (the least "
         "recently used dropped first; 0: none kept) (default: %(default)s)",
     )
+    g.add_argument(
+        "--metrics-prefix",
+        choices=PREFIXES,
+        default="both",
+        help="/metrics names: paged:, vllm: (vLLM's, for its dashboards) or both (default)",
+    )
     add_parsing_args(parser)
+    add_http_args(parser)
+    add_log_args(parser)
+    add_tracing_args(parser)
 
 
 def add_parsing_args(parser: argparse.ArgumentParser) -> None:
@@ -167,6 +180,8 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return 2
     try:
         parsing_options(args)
+        check_http_args(args)
+        check_log_args(args)
     except ValueError as e:
         log.error("invalid configuration: %s", e)
         return 2
@@ -190,16 +205,17 @@ def parsing_options(args: argparse.Namespace) -> Any:
     )
 
 
-def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any]:
-    """(model name, a function loading the tokenizer or None) without loading weights."""
+def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any, str | None]:
+    """(model name, a function loading the tokenizer or None, the model's path or None)
+    without loading weights."""
     from paged.model.shapes import SHAPES
 
     if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
-        return config.model, None  # a named shape: token ids only
+        return config.model, None, None  # a named shape: token ids only
     from paged.model.loader import load_tokenizer, resolve_model
 
     src = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
-    return src.name, lambda: load_tokenizer(src, config.tokenizer)
+    return src.name, lambda: load_tokenizer(src, config.tokenizer), src.path
 
 
 def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
@@ -238,17 +254,23 @@ async def _serve(
 ) -> int:
     import uvicorn
 
+    from paged.engine.generation_config import generation_defaults
     from paged.engine.llm import load_chat_template
     from paged.engine.replicas import make_engine
     from paged.server.app import ServerState, build_app
+    from paged.server.http_options import with_cors
     from paged.server.limits import raise_fd_limit, timed_h11_protocol
-    from paged.server.metrics import ServerMetrics
+    from paged.server.metrics import ServerMetrics, cache_config_labels
+    from paged.server.request_log import RequestLogger, StatsLogger
     from paged.server.serving import Serving
 
     t0 = time.perf_counter()
     try:
-        name, load_tok = _tokenizer_loader(config)
+        name, load_tok, model_path = _tokenizer_loader(config)
         chat_template = load_chat_template(config.chat_template)
+        gen_defaults = generation_defaults(
+            config.generation_config, model_path, config.override_generation_config
+        )
     except (ValueError, OSError) as e:
         log.error("cannot start: %s", e)
         return 1
@@ -278,11 +300,29 @@ async def _serve(
         engine = make_engine(config, args.log_level, load_tok, faults, router)
     if hasattr(engine, "wedge_timeout"):  # replicas: one silent this long is restarted
         engine.wedge_timeout = args.health_timeout
-    metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None))
+    cache_info = lambda: cache_config_labels(config, engine.info)  # noqa: E731
+    metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None),
+                            args.metrics_prefix, cache_info)  # fmt: skip
+    if not args.disable_log_requests:
+        tok = lambda: engine.tokenizer  # noqa: E731
+        metrics.listeners.append(RequestLogger(args.log_requests_content, args.max_log_len, tok))
+    tracer = None
+    if args.otlp_traces_endpoint:
+        from paged.server.tracing import RequestTracer
+
+        try:
+            tracer = RequestTracer(name, args.otlp_traces_endpoint)
+        except ValueError as e:
+            log.error("invalid configuration: %s", e)
+            return 2
+        metrics.listeners.append(tracer)
     engine.observer = metrics
     serving = Serving(engine, name, chat_template, args.max_prompt_chars)
     serving.parsing = parsing_options(args)
     serving.loras = loras
+    serving.generation_defaults = gen_defaults
+    if gen_defaults:
+        log.info("sampling defaults from the generation config: %s", gen_defaults)
     state = ServerState(serving, metrics, api_key)
     state.max_body = args.max_request_body
     state.metrics_require_key = args.metrics_require_key
@@ -290,13 +330,13 @@ async def _serve(
     state.max_stored_responses = args.max_stored_responses
     raise_fd_limit()
     uv = uvicorn.Config(
-        build_app(state),
+        with_cors(build_app(state), args),
         host=args.host,
         port=args.port,
         http=timed_h11_protocol(args.idle_timeout),
-        log_level=args.log_level,
         timeout_graceful_shutdown=1,  # after our own drain (see on_signal): then cut
         lifespan="off",
+        **uvicorn_options(args),  # log level, root path, TLS
     )
 
     loop = asyncio.get_running_loop()
@@ -330,7 +370,7 @@ async def _serve(
                 i = dict(i, platform="+".join(sorted(set(i.get("platforms") or []))))
             log.info(
                 "ready in %.1f s: %s on %s%s (%s), max_model_len %d, KV cache %d blocks "
-                "(%d tokens); serving at http://%s:%d/v1",
+                "(%d tokens); serving at %s://%s:%d%s/v1",
                 time.perf_counter() - t0,
                 name,
                 i.get("platform"),
@@ -339,17 +379,26 @@ async def _serve(
                 i.get("max_model_len", 0),
                 i.get("num_blocks", 0),
                 i.get("num_blocks", 0) * i.get("block_size", 0),
+                scheme(args),
                 args.host,
                 args.port,
+                args.root_path or "",
             )
 
     task = asyncio.create_task(announce())
+    if not args.disable_log_stats:
+        stats = StatsLogger(lambda: engine.stats, args.log_stats_interval)
+        tasks.append(asyncio.create_task(stats.run()))
     try:
         await server.serve()
     finally:
         state.draining = True
         task.cancel()
+        for t in tasks:
+            t.cancel()
         await engine.shutdown()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # send the spans still queued
     if engine.dead is not None:
         log.error("exiting: %s", engine.dead)
         return 1

@@ -397,6 +397,16 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True  # false: at most one call
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's; not with stream
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the rendered prompt's last k
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None = None
+    ) -> SamplingParams:
+        p = super().sampling_params(max_tokens, logprobs)
+        if self.prompt_logprobs is None:
+            return p
+        return dataclasses.replace(p, prompt_logprobs=self.prompt_logprobs)
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:

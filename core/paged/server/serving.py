@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.responses import StreamingResponse
 
 from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, SeqUpdate
+from paged.engine.generation_config import apply_defaults
 from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 from paged.server.chat_parsing import ParsingOptions
@@ -93,6 +94,8 @@ class Serving:
         self._max_prompt_chars = max_prompt_chars
         self.parsing = ParsingOptions()  # tool-call and reasoning parsers (server flags)
         self.loras = LoRAAdapters()  # --enable-lora: adapters by name (server/lora_adapters.py)
+        # {SamplingParams field: value} for fields a request leaves unset (--generation-config)
+        self.generation_defaults: dict[str, Any] = {}
         # Tokenizing and chat templating: never on the event loop (a large prompt would stall
         # every other request and /health).
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="paged-tokenize")
@@ -168,6 +171,12 @@ class Serving:
             p = req.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise bad_request(e) from None
+        if self.generation_defaults:  # the model's defaults for what the request leaves unset
+            unset = {k for k in self.generation_defaults if getattr(req, k, None) is None}
+            try:
+                p = apply_defaults(p, self.generation_defaults, unset)
+            except ValueError as e:
+                raise bad_request(e) from None
         self.check_ids(p.stop_token_ids or [], "stop_token_ids")
         self.check_ids(list(p.logit_bias or {}), "logit_bias")
         return p
@@ -193,9 +202,10 @@ class Serving:
                 "reduce the prompt or max_tokens"
             )
             raise APIError(400, msg, "max_tokens", code)
-        if want is None:
+        if want is None:  # the context left, or the generation config's max_new_tokens
+            most = min(limit - n, self.generation_defaults.get("max_tokens") or limit)
             try:  # validates again: min_tokens may now exceed max_tokens
-                params = dataclasses.replace(params, max_tokens=limit - n)
+                params = dataclasses.replace(params, max_tokens=most)
             except ValueError as e:
                 raise bad_request(e) from None
         return Prompt(text, ids, params, CURRENT_LORA.get())
