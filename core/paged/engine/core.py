@@ -19,6 +19,7 @@ from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
+from paged.model.kv_window import kv_window
 from paged.lora.request import LoRARequest
 from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
@@ -72,7 +73,11 @@ class EngineCore:
             from paged.engine.faults import install
 
             install(self.runner, faults)
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        # Every layer windowed: blocks out of the window are released (docs/architecture.md).
+        window = kv_window(self.hf_config, self.runner.model.layers, self.max_model_len)
+        self.kv = KVCacheManager(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, window
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,

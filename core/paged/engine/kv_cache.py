@@ -8,6 +8,13 @@ finds them again; eviction takes the least recently freed block first.
 Sequences forked from one prompt (n > 1) share its blocks. A shared block is never written:
 a sequence about to write into one (the prompt's partial last block) gets a fresh block and a
 copy of it (`copies`, run on the device before the step's forward), copy on write.
+
+Sliding windows (`window`: every attention layer of the model attends to at most its last
+`window` positions): the blocks no future query of a sequence can read are released as it
+advances, and its block table keeps the reserved null block (`null_block`, never allocated or
+written) at their positions; the attention kernels never read positions outside the window.
+With prefix caching a block is released once registered (it stays cached, evictable), and a
+prefix hit needs only the blocks within the window of its first computed token.
 """
 
 from __future__ import annotations
@@ -28,7 +35,13 @@ class Block:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        window: int | None = None,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -40,6 +53,19 @@ class KVCacheManager:
         self.copies: list[tuple[int, int]] = []  # (source, destination) for the next step
         self.queries = 0  # prefix-cache lookups (tokens) and hits (tokens), for metrics
         self.hits = 0
+        # Sliding window: block 0 is the null block, the placeholder for released positions.
+        self.window = window
+        self.null_block: int | None = None
+        if window is not None:
+            self.null_block = 0
+            del self.free[0]
+        self.req_released: dict[str, int] = {}  # request id -> leading positions released
+        self.num_window_released = 0  # blocks released out of a window (counter)
+        self.peak_seq_blocks = 0  # most blocks one sequence held at once
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,7 +73,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self.free) / self.num_blocks if self.num_blocks else 0.0
+        usable = self.num_usable_blocks
+        return 1.0 - len(self.free) / usable if usable else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -75,9 +102,29 @@ class KVCacheManager:
         for i, h in enumerate(hashes):
             blk = self.cached.get(h)
             if blk is None or blk.token_ids != tuple(req.token_ids[i * bs : (i + 1) * bs]):
-                break
+                if self.window is None:
+                    break
+                blk = None
             hits.append(blk)
-        return hits
+        if self.window is None:
+            return hits
+        return self._window_hit(hits)
+
+    def _window_hit(self, found: list[Block | None]) -> list[Block | None]:
+        """The longest prefix whose first computed token finds every block of its window
+        cached (the chain hash makes each hit imply the whole prefix before it): None for
+        the positions before the window, the cached blocks from there on."""
+        best, run = 0, 0
+        for i, blk in enumerate(found):
+            run = run + 1 if blk is not None else 0
+            if run >= i + 1 - self._first_needed((i + 1) * self.block_size):
+                best = i + 1
+        first = self._first_needed(best * self.block_size)
+        return [None] * first + found[first:best]
+
+    def _first_needed(self, pos: int) -> int:
+        """The first block a query at position `pos` (or later) can read in the window."""
+        return max(pos - self.window + 1, 0) // self.block_size
 
     def cache_full_blocks(self, req: Request, upto: int | None = None) -> None:
         """Register the request's full blocks among its first `upto` computed tokens (default:
@@ -88,7 +135,10 @@ class KVCacheManager:
         upto = req.num_computed_tokens if upto is None else upto
         full = upto // bs
         hashes = self._hash_blocks(req, upto)
-        for i in range(self.req_registered.get(req.request_id, 0), full):
+        done = self.req_registered.get(req.request_id, 0)
+        for i in range(done, full):
+            if req.block_ids[i] == self.null_block:  # released: it was registered before
+                continue
             h, blk = hashes[i], self.blocks[req.block_ids[i]]
             if blk.hash is not None:
                 continue
@@ -96,7 +146,7 @@ class KVCacheManager:
                 continue
             blk.hash, blk.token_ids = h, tuple(req.token_ids[i * bs : (i + 1) * bs])
             self.cached[h] = blk
-        self.req_registered[req.request_id] = full
+        self.req_registered[req.request_id] = max(full, done)
 
     # ---- allocation ---------------------------------------------------------------
     def _take_free(self) -> Block:
@@ -110,9 +160,12 @@ class KVCacheManager:
 
     def allocate(self, req: Request, total_tokens: int, cached: list[Block] | None = None) -> bool:
         """Make `req` hold blocks for its first `total_tokens` tokens, taking the `cached`
-        prefix blocks first. Returns False, changing nothing, when the pool is short."""
+        prefix blocks first (None: a position before the window, the null block). Returns
+        False, changing nothing but the release of blocks out of the window, when the pool
+        is short."""
+        self._release_out_of_window(req)
         cached = cached or []
-        reusable_free = sum(1 for b in cached if b.ref_cnt == 0)
+        reusable_free = sum(1 for b in cached if b is not None and b.ref_cnt == 0)
         have = len(req.block_ids) + len(cached)
         need = self.blocks_needed(total_tokens) - have
         shared = self._shared_write_block(req, total_tokens)
@@ -125,18 +178,55 @@ class KVCacheManager:
             req.block_ids[i] = new.block_id
             self.copies.append((blk.block_id, new.block_id))
         for blk in cached:
+            if blk is None:
+                req.block_ids.append(self.null_block)
+                continue
             if blk.ref_cnt == 0:
                 del self.free[blk.block_id]
             blk.ref_cnt += 1
             req.block_ids.append(blk.block_id)
+        if cached and cached[0] is None:  # a hit past the window: its leading positions
+            lead = next((i for i, b in enumerate(cached) if b is not None), len(cached))
+            self.req_released[req.request_id] = lead
         for _ in range(max(need, 0)):
             req.block_ids.append(self._take_free().block_id)
+        if self.window is not None:
+            held = len(req.block_ids) - self.req_released.get(req.request_id, 0)
+            self.peak_seq_blocks = max(self.peak_seq_blocks, held)
         return True
+
+    def _release_out_of_window(self, req: Request) -> None:
+        """Release the blocks before the window of `req`'s next query (positions below
+        num_computed_tokens - window + 1, read by no later query); with prefix caching only
+        those already registered, whose K/V have landed."""
+        if self.window is None:
+            return
+        limit = min(self._first_needed(req.num_computed_tokens), len(req.block_ids))
+        if self.enable_prefix_caching:
+            limit = min(limit, self.req_registered.get(req.request_id, 0))
+        start = self.req_released.get(req.request_id, 0)
+        for i in range(start, limit):
+            bid = req.block_ids[i]
+            if bid != self.null_block:
+                self._release(bid)
+                req.block_ids[i] = self.null_block
+                self.num_window_released += 1
+        if limit > start:
+            self.req_released[req.request_id] = limit
+
+    def _release(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        blk.ref_cnt -= 1
+        assert blk.ref_cnt >= 0, f"block {bid} freed twice"
+        if blk.ref_cnt == 0:
+            self.free[bid] = blk
 
     def _shared_write_block(self, req: Request, total_tokens: int) -> tuple[int, Block] | None:
         """(index, block) of the block `req` writes next, when other requests share it."""
         i = req.num_computed_tokens // self.block_size
         if req.num_computed_tokens >= total_tokens or i >= len(req.block_ids):
+            return None
+        if req.block_ids[i] == self.null_block:
             return None
         blk = self.blocks[req.block_ids[i]]
         return (i, blk) if blk.ref_cnt > 1 else None
@@ -145,8 +235,11 @@ class KVCacheManager:
         """`child` shares every block of `parent` (which holds its computed prompt)."""
         assert not child.block_ids, "a forked request holds no blocks of its own"
         for bid in parent.block_ids:
-            self.blocks[bid].ref_cnt += 1
+            if bid != self.null_block:
+                self.blocks[bid].ref_cnt += 1
         child.block_ids = list(parent.block_ids)
+        if parent.request_id in self.req_released:
+            self.req_released[child.request_id] = self.req_released[parent.request_id]
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -156,14 +249,23 @@ class KVCacheManager:
         # Tail blocks first into the free list: they are the least likely to be shared,
         # so they are evicted before the prefix blocks other requests may want.
         for bid in reversed(req.block_ids):
-            blk = self.blocks[bid]
-            blk.ref_cnt -= 1
-            assert blk.ref_cnt >= 0, f"block {bid} freed twice"
-            if blk.ref_cnt == 0:
-                self.free[bid] = blk
+            if bid != self.null_block:
+                self._release(bid)
         req.block_ids = []
         self.req_hashes.pop(req.request_id, None)
         self.req_registered.pop(req.request_id, None)
+        self.req_released.pop(req.request_id, None)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past `req`'s first `num_tokens` tokens (speculative lookahead
+        slots a step did not fill with accepted tokens; never registered, never shared)."""
+        keep = self.blocks_needed(num_tokens)
+        for bid in reversed(req.block_ids[keep:]):
+            blk = self.blocks[bid]
+            blk.ref_cnt -= 1
+            assert blk.ref_cnt == 0 and blk.hash is None, f"block {bid} trimmed while shared"
+            self.free[bid] = blk
+        del req.block_ids[keep:]
 
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:
@@ -176,7 +278,13 @@ class KVCacheManager:
         for req in live:
             for bid in req.block_ids:
                 owners[bid] += 1
+        if self.null_block is not None:  # never owned, never free, never cached
+            null = self.blocks[self.null_block]
+            assert null.ref_cnt == 0 and null.hash is None and null.block_id not in self.free
+            owners[self.null_block] = 0
         for blk in self.blocks:
+            if blk.block_id == self.null_block:
+                continue
             assert blk.ref_cnt >= 0, f"block {blk.block_id} has refcount {blk.ref_cnt}"
             assert blk.ref_cnt == owners[blk.block_id], (
                 f"block {blk.block_id}: refcount {blk.ref_cnt}, owners {owners[blk.block_id]}"

@@ -7,8 +7,10 @@ matmuls over that gather (padded to the longest context, masked); prefill chunks
 SDPA per request, causal over the cached context plus the new tokens.
 
 Per-layer options: a sliding window (keys at positions > query position - window, HF's
-semantics) is one more mask; a softcap (Gemma 2) runs the scores through cap * tanh(s / cap)
-in float32 instead of SDPA. The C++ decode kernel has neither: such layers decode with torch.
+semantics) gathers only the blocks from each query's window on (the KV cache may have released
+the ones before it: their table entries are the null block) and masks the rest; a softcap
+(Gemma 2) runs the scores through cap * tanh(s / cap) in float32 instead of SDPA. The C++
+decode kernel has neither: such layers decode with torch.
 """
 
 from __future__ import annotations
@@ -30,13 +32,25 @@ class CpuPlan:
     prefills: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     # (token start, token end, context length, block ids or None, mask or None)
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64
-    window_masks: dict[int, Any] = field(default_factory=dict)  # window -> masks, built once
+    window_plans: dict[int, WindowPlan] = field(default_factory=dict)  # built once a step
 
 
-def causal_mask(qlen: int, seq: int, window: int | None) -> torch.Tensor:
-    """[qlen, seq] True where query row i (position seq - qlen + i) sees key j."""
+@dataclass
+class WindowPlan:
+    """A step's gathers for one window: decodes read each row's blocks from its window on,
+    prefill chunks theirs from the window of their first query on."""
+
+    decode_table: torch.Tensor | None  # [num_decodes, blocks] int64
+    decode_mask: torch.Tensor | None  # as CpuPlan's: True = outside the window or past the end
+    decode_len: int
+    prefills: list[tuple[torch.Tensor | None, int, torch.Tensor]]  # (blocks, first key, mask)
+
+
+def causal_mask(qlen: int, seq: int, window: int | None, first_key: int = 0) -> torch.Tensor:
+    """[qlen, seq - first_key] True where query row i (position seq - qlen + i) sees key
+    first_key + j."""
     rows = torch.arange(qlen)[:, None] + (seq - qlen)
-    keys = torch.arange(seq)[None, :]
+    keys = torch.arange(first_key, seq)[None, :]
     mask = keys <= rows
     if window is not None:
         mask &= keys > rows - window
@@ -107,19 +121,32 @@ class CpuAttentionBackend(AttentionBackend):
         meta.extra = CpuPlan(table, mask, dlen, prefills, seq_lens)
         return meta
 
-    def _window_masks(self, plan: CpuPlan, window: int) -> tuple[Any, list[torch.Tensor]]:
-        """The decode mask and each prefill's mask with the window applied (once per step)."""
-        if window not in plan.window_masks:
-            dmask = None
-            if plan.decode_mask is not None:
-                pos = torch.arange(plan.decode_len)
-                old = (pos[None, :] < plan.decode_seq_lens[:, None] - window).view(
-                    plan.decode_mask.shape
-                )
-                dmask = plan.decode_mask | old
-            pmasks = [causal_mask(e - s, seq, window) for s, e, seq, _, _ in plan.prefills]
-            plan.window_masks[window] = (dmask, pmasks)
-        return plan.window_masks[window]
+    def _window_plan(self, plan: CpuPlan, window: int) -> WindowPlan:
+        """The gathers and masks of a window layer (built once per step and window)."""
+        if window in plan.window_plans:
+            return plan.window_plans[window]
+        bs = self.block_size
+        table, dmask, dlen = None, None, 0
+        if plan.decode_table is not None:  # per row: the blocks from seq - window on
+            seq = plan.decode_seq_lens
+            first = (seq - window).clamp_min(0) // bs
+            last = (seq + bs - 1) // bs - 1
+            width = int((last - first).max()) + 1
+            idx = torch.minimum(first[:, None] + torch.arange(width), last[:, None])
+            table = plan.decode_table.gather(1, idx)
+            dlen = width * bs
+            pos = first[:, None] * bs + torch.arange(dlen)
+            hidden = (pos >= seq[:, None]) | (pos < (seq - window)[:, None])
+            dmask = hidden.view(1, len(seq), 1, dlen)
+        prefills = []
+        for s, e, seq, blocks, _ in plan.prefills:
+            first = 0
+            if blocks is not None:  # the chunk's first query (position seq - qlen) on
+                first = max(seq - (e - s) - window + 1, 0) // bs
+                blocks = blocks[first:]
+            prefills.append((blocks, first * bs, causal_mask(e - s, seq, window, first * bs)))
+        plan.window_plans[window] = WindowPlan(table, dmask, dlen, prefills)
+        return plan.window_plans[window]
 
     def forward(
         self,
@@ -138,9 +165,12 @@ class CpuAttentionBackend(AttentionBackend):
             self.torch_decode_layers = True  # a layer check_layer did not announce
             plan = self.plan(meta).extra
         scale = self.scale if scale is None else scale
-        decode_mask, prefill_masks = plan.decode_mask, [m for *_, m in plan.prefills]
+        decode_table, decode_mask, decode_len = plan.decode_table, plan.decode_mask, plan.decode_len
+        prefills = [(blocks, 0, mask) for *_, blocks, mask in plan.prefills]
         if window is not None:
-            decode_mask, prefill_masks = self._window_masks(plan, window)
+            wp = self._window_plan(plan, window)
+            decode_table, decode_mask, decode_len = wp.decode_table, wp.decode_mask, wp.decode_len
+            prefills = wp.prefills
         h, d = self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [h, blocks, block_size, d]
         slots = meta.slot_mapping
@@ -168,9 +198,9 @@ class CpuAttentionBackend(AttentionBackend):
             k_cache.view(h, -1, d).index_copy_(1, slots, k.transpose(0, 1))
             v_cache.view(h, -1, d).index_copy_(1, slots, v.transpose(0, 1))
         if nd:  # batched matmuls over (head, request): SDPA is slow for one-token queries
-            n, group = plan.decode_len, self.num_heads // h
-            kd = k_cache[:, plan.decode_table].view(h * nd, n, d)
-            vd = v_cache[:, plan.decode_table].view(h * nd, n, d)
+            n, group = decode_len, self.num_heads // h
+            kd = k_cache[:, decode_table].view(h * nd, n, d)
+            vd = v_cache[:, decode_table].view(h * nd, n, d)
             qd = q[:nd].view(nd, h, group, d).transpose(0, 1).reshape(h * nd, group, d)
             scores = torch.bmm(qd, kd.transpose(1, 2)).float() * scale
             if softcap is not None:
@@ -179,13 +209,13 @@ class CpuAttentionBackend(AttentionBackend):
             probs = scores.softmax(-1).to(q.dtype).view(h * nd, group, n)
             o = torch.bmm(probs, vd).view(h, nd, group, d).transpose(0, 1)
             out[:nd] = o.reshape(nd, h * group, d)
-        for (s, e, seq, blocks, _), mask in zip(plan.prefills, prefill_masks, strict=True):
+        for (s, e, seq, *_), (blocks, first, mask) in zip(plan.prefills, prefills, strict=True):
             qi = q[s:e].transpose(0, 1)
             if blocks is None:
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
             else:
-                ki = k_cache[:, blocks].view(h, -1, d)[:, :seq]
-                vi = v_cache[:, blocks].view(h, -1, d)[:, :seq]
+                ki = k_cache[:, blocks].view(h, -1, d)[:, : seq - first]
+                vi = v_cache[:, blocks].view(h, -1, d)[:, : seq - first]
             o = attend(qi, ki, vi, mask, scale, softcap, causal=True)
             out[s:e] = o.transpose(0, 1)
         return out
