@@ -30,7 +30,6 @@ from paged.server.serving_anthropic import AnthropicErrors, count_tokens, create
 from paged.server.serving_chat import create_chat_completion
 from paged.server.serving_completion import create_completion
 from paged.server.serving_embedding import EmbeddingRequest, create_embedding
-from paged.server.serving_embedding import EmbeddingRequest, create_embedding
 from paged.server.serving_responses import ResponseStore
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
@@ -242,10 +241,6 @@ def build_app(state: ServerState) -> Any:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await until_disconnect(request, create_chat_completion(sv, req))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(req: EmbeddingRequest, request: Request) -> Any:
-        return await until_disconnect(request, create_embedding(sv, req))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, request: Request) -> Any:
