@@ -137,7 +137,8 @@ class Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        refusal = self._check(scope["path"], dict(scope.get("headers") or []))
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # uvicorn adds it
+        refusal = self._check(path, dict(scope.get("headers") or []))
         if refusal is not None:
             return await refusal(scope, receive, send)
         body = await self._read_body(receive)
@@ -154,7 +155,7 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        counted = scope["path"] not in OPEN_PATHS
+        counted = path not in OPEN_PATHS
         self.state.inflight += counted
         try:
             await self.app(scope, replay, send)
