@@ -24,6 +24,13 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+# --kv-cache-dtype: quantized storage of the paged KV cache (vLLM's spelling); auto = model dtype.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -79,6 +86,11 @@ class EngineConfig:
     platform: str | None = _opt("force a platform (also PAGED_PLATFORM)")
     max_model_len: int | None = _opt("context length (default: the model's)", type=int)
     block_size: int = _opt("tokens per KV cache block", default=16, type=int)
+    kv_cache_dtype: str = _opt(
+        "KV cache storage: auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2; fp8 "
+        "holds twice the tokens, scaled per tensor (1.0, or the checkpoint's k_scale/v_scale)",
+        default="auto", choices=tuple(KV_CACHE_DTYPES),
+    )
     kv_cache_memory: int | None = _opt("KV cache size, e.g. 2GiB", type=parse_bytes)
     gpu_memory_utilization: float = _opt(
         "fraction of device memory for weights, activations and KV cache", default=0.9, type=float
@@ -182,6 +194,11 @@ class EngineConfig:
                 f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
             )
         check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -227,6 +244,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}: float32, bfloat16, float16 or auto")
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is stored in: the model dtype unless quantized."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = True) -> None:

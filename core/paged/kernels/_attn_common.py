@@ -8,7 +8,10 @@ import triton.language as tl
 
 from .head_dims import head_pad, unsupported_head_dim
 
-__all__ = ["LOG2E", "check_attention_args", "dot_flags", "head_pad", "score_args"]
+__all__ = [
+    "LOG2E", "check_attention_args", "dot_flags", "fp8_args", "head_pad", "kv_scale_args",
+    "score_args",
+]  # fmt: skip
 
 LOG2E = 1.4426950408889634
 
@@ -41,6 +44,36 @@ def _load_kv_tile(
     k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=k_mask, other=0.0)
     v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=v_mask, other=0.0)
     return k_t, v
+
+
+@triton.jit
+def _dequant_tile(k_t, v, q, QUANT: tl.constexpr, UPCAST: tl.constexpr):
+    """fp8 K/V tiles in q's dtype (fp32 under the CPU interpreter); the per-head scales are
+    applied to the scores (k) and the output (v), not here."""
+    if QUANT:
+        if UPCAST:
+            return k_t.to(tl.float32), v.to(tl.float32)
+        return k_t.to(q.dtype), v.to(q.dtype)
+    return k_t, v
+
+
+@triton.jit
+def _to_fp8(x, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+            MIN_ULP: tl.constexpr):  # fmt: skip
+    """fp32 x saturated to +-FP8_MAX, ready to store into an fp8 cache. ROUND (the CPU
+    interpreter, whose fp32->fp8 cast drops the carry of a round-up into the exponent): round
+    to the fp8 grid here, to nearest even, so that the cast is exact."""
+    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    if ROUND:
+        bits = x.to(tl.int32, bitcast=True)
+        drop: tl.constexpr = 23 - MANT
+        bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & (-(1 << drop))
+        magic: tl.constexpr = MIN_ULP * 12582912.0  # 1.5 * 2**23 ulps: rounds to a multiple
+        a = tl.abs(x)
+        sub = (a + magic) - magic  # subnormals: multiples of MIN_ULP, the sign kept (-0.0)
+        sub = tl.where(x < 0, -sub, sub)
+        x = tl.where(a < MIN_ULP * (1 << MANT), sub, bits.to(tl.float32, bitcast=True))
+    return x
 
 
 @triton.jit
@@ -101,6 +134,39 @@ def dot_flags(q: torch.Tensor) -> dict[str, bool]:
     """IEEE fp32 dots for fp32 inputs (no tf32); UPCAST bf16 under the CPU interpreter."""
     cpu = q.device.type == "cpu"  # CPU tensors only run under TRITON_INTERPRET=1
     return {"IEEE": q.dtype == torch.float32 or cpu, "UPCAST": cpu and q.dtype == torch.bfloat16}
+
+
+_FP8 = {torch.float8_e4m3fn: (3, 2.0**-9), torch.float8_e5m2: (2, 2.0**-16)}  # mantissa, ulp
+
+
+def kv_scale_args(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, heads: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """(k_scale, v_scale, QUANT) for a kernel: an fp8 cache needs float32 `[kv_heads]` scales
+    (None: 1.0); other caches none."""
+    if cache.dtype not in _FP8:
+        assert k_scale is None and v_scale is None, "scales are for an fp8 cache"
+        return None, None, False
+    if k_scale is None:
+        k_scale = torch.ones(heads, dtype=torch.float32, device=cache.device)
+    if v_scale is None:
+        v_scale = torch.ones(heads, dtype=torch.float32, device=cache.device)
+    for s in (k_scale, v_scale):
+        assert s.dtype == torch.float32 and s.shape == (heads,) and s.is_contiguous()
+    return k_scale, v_scale, True
+
+
+def fp8_args(cache: torch.Tensor) -> dict:
+    """The cache-write kernel's fp8 switches (QUANT off for other caches)."""
+    mant, ulp = _FP8.get(cache.dtype, (3, 1.0))
+    quant = cache.dtype in _FP8
+    return {
+        "QUANT": quant,
+        "FP8_MAX": float(torch.finfo(cache.dtype).max) if quant else 0.0,
+        "ROUND": quant and cache.device.type == "cpu",  # the interpreter's cast: see _to_fp8
+        "MANT": mant,
+        "MIN_ULP": ulp,
+    }
 
 
 def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:

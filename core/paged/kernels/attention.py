@@ -13,12 +13,14 @@ import triton
 import triton.language as tl
 
 from ._attn_common import (
+    _dequant_tile,
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
     check_attention_args,
     dot_flags,
     head_pad,
+    kv_scale_args,
     score_args,
 )
 from .decode import paged_attention_decode
@@ -35,6 +37,8 @@ def _varlen_kernel(
     qsl_ptr,
     seq_lens_ptr,
     bt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     cap_log2e,
     window,
@@ -58,6 +62,7 @@ def _varlen_kernel(
     UPCAST: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -82,6 +87,10 @@ def _varlen_kernel(
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     q_pos = ctx + q_idx  # absolute position of each row's query token
 
+    v_scale = 1.0
+    if QUANT:  # fp8 cache: K's scale folds into the scores, V's into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -102,6 +111,7 @@ def _varlen_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, (pos < kv_end) & (pos >= kv_lo),
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
+        k_t, v = _dequant_tile(k_t, v, q, QUANT, UPCAST)
         mask = None
         if HAS_WINDOW:  # HF: key j visible to query i when j > i - window
             mask = pos[None, :] > q_pos[:, None] - window
@@ -116,6 +126,7 @@ def _varlen_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
+        k_t, v = _dequant_tile(k_t, v, q, QUANT, UPCAST)
         mask = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             mask = mask & (pos[None, :] > q_pos[:, None] - window)
@@ -125,6 +136,8 @@ def _varlen_kernel(
         )  # fmt: skip
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    if QUANT:
+        acc = acc * v_scale
     o = acc / l_i[:, None]
     o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -147,10 +160,13 @@ def paged_attention_varlen(
     num_stages: int = 2,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of variable-length query chunks; writes `out`.
     `window`: each query sees the keys at positions > its own - window (HF's sliding
-    window); `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2).
+    window); `softcap`: scores become softcap * tanh(scores / softcap) (Gemma 2). An fp8
+    cache is read as stored * scale, float32 `k_scale`/`v_scale` `[kv_heads]` (None: 1.0).
 
     q/out `[T, num_heads, head_dim]`; query_start_loc int32 `[B+1]`; seq_lens int32 `[B]`
     (context length including this step's queries, whose K/V are already cached);
@@ -173,14 +189,16 @@ def paged_attention_varlen(
     num_warps = num_warps or (4 if pad <= 128 else 8)
     grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
     sargs = score_args(scale, window, softcap)
+    k_scale, v_scale, quant = kv_scale_args(k_cache, k_scale, v_scale, k_cache.shape[2])
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
         sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, **dot_flags(q),
-        HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"],
+        HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

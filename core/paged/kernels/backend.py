@@ -25,6 +25,7 @@ class TritonPlan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     layer_features = frozenset({"window", "softcap", "scale"})
+    quantized_cache_dtypes = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
     # Keyword arguments for the kernel wrappers' launch tiles (block_n, num_warps, num_stages,
     # and block_m for varlen). Empty: the kernels' own defaults, tuned on an H200. Subclasses
     # set these, or override `launch_tiles` to choose them from the device.
@@ -91,10 +92,13 @@ class TritonAttentionBackend(AttentionBackend):
 
         plan: TritonPlan = meta.extra
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        scales = {}
+        if self.quantized_cache:  # fp8: quantized on write, dequantized on read
+            scales["k_scale"], scales["v_scale"] = self.kv_scales(kv_cache)
+        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = self.scale if scale is None else scale
-        layer = {"window": window, "softcap": softcap}
+        layer = {"window": window, "softcap": softcap, **scales}
         if plan.decode_only:
             paged_attention_decode(
                 q,

@@ -1,10 +1,16 @@
-"""Write this step's K/V into the paged cache (`[num_blocks, block_size, kv_heads, head_dim]`)."""
+"""Write this step's K/V into the paged cache (`[num_blocks, block_size, kv_heads, head_dim]`).
+
+An fp8 cache (--kv-cache-dtype fp8) stores `fp8(clamp(x / scale))` with one float32 scale per
+KV head (paged.model.kv_quant is the torch reference).
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from ._attn_common import _to_fp8, fp8_args, kv_scale_args
 
 
 @triton.jit
@@ -14,6 +20,8 @@ def _reshape_and_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -26,6 +34,11 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_ULP: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,6 +55,11 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     dst = blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d[None, :]
+    if QUANT:  # stored = x / scale, saturated to the fp8 range
+        k_inv = 1.0 / tl.load(k_scale_ptr + h, mask=h < num_heads, other=1.0)
+        v_inv = 1.0 / tl.load(v_scale_ptr + h, mask=h < num_heads, other=1.0)
+        k = _to_fp8(k.to(tl.float32) * k_inv[:, None], FP8_MAX, ROUND, MANT, MIN_ULP)
+        v = _to_fp8(v.to(tl.float32) * v_inv[:, None], FP8_MAX, ROUND, MANT, MIN_ULP)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -52,8 +70,11 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter `key`/`value` `[T, kv_heads, head_dim]` to their slots; slot < 0 is skipped.
+    An fp8 cache takes float32 `k_scale`/`v_scale` `[kv_heads]` (stored = value / scale).
 
     key/value may be strided views (unit stride in the last dim); the caches must share
     one layout (`k_cache.stride() == v_cache.stride()`).
@@ -67,12 +88,15 @@ def reshape_and_cache(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "last dim must be contiguous"
     assert slot_mapping.shape[0] >= num_tokens
+    k_scale, v_scale, _ = kv_scale_args(k_cache, k_scale, v_scale, num_heads)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if k_scale is not None else slot_mapping,  # unread unless QUANT
+        v_scale if v_scale is not None else slot_mapping,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -85,5 +109,6 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         HEAD_PAD=triton.next_power_of_2(head_dim),
         BLOCK_H=triton.next_power_of_2(num_heads),
+        **fp8_args(k_cache),
         num_warps=4,
     )

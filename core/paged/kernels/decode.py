@@ -14,12 +14,14 @@ import triton
 import triton.language as tl
 
 from ._attn_common import (
+    _dequant_tile,
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
     check_attention_args,
     dot_flags,
     head_pad,
+    kv_scale_args,
     score_args,
 )
 
@@ -37,6 +39,8 @@ def _split_kernel(
     ws_ptr,
     seq_lens_ptr,
     bt_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     cap_log2e,
     window,
@@ -62,6 +66,7 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,6 +91,10 @@ def _split_kernel(
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
 
+    v_scale = 1.0
+    if QUANT:  # fp8 cache: K's scale folds into the scores, V's into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
@@ -97,12 +106,15 @@ def _split_kernel(
             k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
+        k_t, v = _dequant_tile(k_t, v, q, QUANT, UPCAST)
         mask = valid[None, :]
         acc, m_i, l_i = _softmax_step(
             q, k_t, v, acc, m_i, l_i, mask, qk_scale, IEEE, UPCAST,
             SOFTCAP=SOFTCAP, cap_log2e=cap_log2e,
         )  # fmt: skip
 
+    if QUANT:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
@@ -179,9 +191,12 @@ def paged_attention_decode(
     num_stages: int = 3,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context (its last
-    `window` positions with a window); writes `out`. `softcap` as in paged_attention_varlen.
+    `window` positions with a window); writes `out`. `softcap`, and `k_scale`/`v_scale` of
+    an fp8 cache, as in paged_attention_varlen.
 
     q/out `[B, num_heads, head_dim]`; seq_lens int32 `[B]` (0 gives zeros); block_tables
     int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits` and a `workspace`
@@ -210,14 +225,16 @@ def paged_attention_decode(
     pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
     block_n = block_n or min(128, 32768 // (pad * q.element_size()))
     sargs = score_args(scale, window, softcap)
+    k_scale, v_scale, quant = kv_scale_args(k_cache, k_scale, v_scale, num_kv_heads)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws, seq_lens, block_tables,
+        k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
         sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
-        **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"],
+        **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:

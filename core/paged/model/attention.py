@@ -35,6 +35,10 @@ class AttentionBackend:
     # (cap * tanh(scores / cap) before the softmax, Gemma 2) and scale (a layer's own
     # softmax scale instead of the constructor's).
     layer_features: ClassVar[frozenset[str]] = frozenset()
+    # Quantized KV cache dtypes (--kv-cache-dtype fp8) this backend writes and reads: it
+    # quantizes K/V with the layer's scales (`kv_scales`) on write and dequantizes on read.
+    # Any other cache dtype than the model's is refused at start-up (`use_cache_dtype`).
+    quantized_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
 
     def __init__(
         self,
@@ -54,6 +58,8 @@ class AttentionBackend:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        self.cache_dtype = dtype  # the KV cache's storage dtype (use_cache_dtype)
+        self._kv_scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def check_shape(cls, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -75,6 +81,37 @@ class AttentionBackend:
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    # ---- quantized KV cache ------------------------------------------------------------
+    def use_cache_dtype(self, cache_dtype: torch.dtype) -> None:
+        """Store the KV cache as `cache_dtype` (at start-up, before any cache is allocated);
+        ValueError when this backend cannot."""
+        if cache_dtype != self.dtype and cache_dtype not in self.quantized_cache_dtypes:
+            kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in
+                                     self.quantized_cache_dtypes)) or "none"  # fmt: skip
+            raise ValueError(
+                f"attention backend {self.name!r} cannot store the KV cache as "
+                f"{str(cache_dtype).removeprefix('torch.')} (quantized caches it supports: {kinds})"
+            )
+        self.cache_dtype = cache_dtype
+
+    @property
+    def quantized_cache(self) -> bool:
+        return self.cache_dtype != self.dtype
+
+    def bind_kv_scales(
+        self, kv_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+    ) -> None:
+        """A layer's dequantization scales (float32 `[num_kv_heads]`: stored = value / scale)
+        for its quantized cache `kv_cache`; the model runner binds them as it allocates."""
+        self._kv_scales[kv_cache.data_ptr()] = (k_scale, v_scale)
+
+    def clear_kv_scales(self) -> None:
+        self._kv_scales.clear()
+
+    def kv_scales(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_scale, v_scale) bound to this layer's quantized cache."""
+        return self._kv_scales[kv_cache.data_ptr()]
 
     def plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Once per step, before the forward: precompute what all layers share."""

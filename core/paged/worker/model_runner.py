@@ -11,6 +11,7 @@ from paged.config import EngineConfig
 from paged.distributed import broadcast_host, parallel
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
+from paged.model.kv_quant import KVScales
 from paged.model.llama import head_dim_of
 from paged.model.parallel import head_shard
 from paged.model.registry import model_class
@@ -58,6 +59,17 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        self.cache_dtype = config.kv_cache_torch_dtype
+        self.heads = heads
+        if self.cache_dtype != self.dtype:  # --kv-cache-dtype fp8: refused here if unsupported
+            try:
+                self.backend.use_cache_dtype(self.cache_dtype)
+            except ValueError as e:
+                raise ValueError(
+                    f"--kv-cache-dtype {config.kv_cache_dtype} is not supported on platform "
+                    f"{platform.name}: {e}"
+                ) from None
+        self.kv_scales = KVScales()  # the checkpoint's, read while its weights load
         self.model = self._build_model(weights, source)
         self.lora = None  # --enable-lora: the adapters' slots (wraps the model's linears)
         if config.enable_lora:
@@ -113,7 +125,9 @@ class ModelRunner:
                         p.normal_(0.0, 0.02, generator=gen)
         else:
             weights = quantized_weights(model, method, weights)  # converted for its linears
-            loaded = model.load_weights(weights)
+            loaded = model.load_weights(self.kv_scales.take(weights))
+            if self.kv_scales and self.cache_dtype == self.dtype:
+                log.info("the checkpoint's KV cache scales are unused (--kv-cache-dtype auto)")
             missing = model.expected_weights() - loaded
             if missing:
                 raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
@@ -124,16 +138,24 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         shape = self.backend.kv_cache_shape(1)
-        per_layer = torch.Size(shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()  # fp8: 1 byte
+        per_layer = torch.Size(shape).numel() * elem
         return per_layer * len(self.model.layers)  # this pipeline stage's layers
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend.kv_cache_shape(num_blocks)
         self.kv_caches = []
-        for layer in self.model.layers:
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.backend.clear_kv_scales()
+        cfg, h = self.hf_config, self.heads
+        for i, layer in enumerate(self.model.layers):
+            cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             layer.self_attn.kv_cache = cache
             self.kv_caches.append(cache)
+            if self.cache_dtype != self.dtype:
+                index = getattr(self.model, "start_layer", 0) + i  # the checkpoint's numbering
+                scales = self.kv_scales.for_layer(index, h.kv_count, h.kv_start,
+                                                  cfg.num_key_value_heads)  # fmt: skip
+                self.backend.bind_kv_scales(cache, *(s.to(self.device) for s in scales))
 
     def profile_run(self) -> None:
         """A forward over `max_num_batched_tokens` tokens and logits for `max_num_seqs` rows,

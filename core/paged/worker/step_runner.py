@@ -28,6 +28,8 @@ def copy_kv_blocks(model: torch.nn.Module, backend, copies: torch.Tensor) -> Non
     for layer in model.layers:
         cache = layer.self_attn.kv_cache
         if cache is not None:
+            if cache.dtype.itemsize == 1:  # fp8: index_copy_ has no float8 kernels; bytes do
+                cache = cache.view(torch.uint8)
             cache.index_copy_(dim, dst, cache.index_select(dim, src))
 
 

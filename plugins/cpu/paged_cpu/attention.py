@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from paged.model.attention import AttentionBackend, AttentionMetadata
+from paged.model.kv_quant import FP8_DTYPES, dequantize, quantize
 
 
 @dataclass
@@ -74,9 +75,26 @@ def attend(q, k, v, mask, scale: float, softcap: float | None, causal: bool) -> 
     return torch.matmul(s.softmax(-1).to(v.dtype), v)
 
 
+class Dequantized:
+    """An fp8 cache half `[kv_heads, ...]` read as stored * scale (per head) in `dtype`: only
+    what an index gathers is dequantized."""
+
+    def __init__(self, cache: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.cache, self.dtype, self.per_head = cache, dtype, scale
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        x = self.cache[index]  # the head dimension first, as every read here keeps it
+        return (x.float() * self.per_head.view(-1, *[1] * (x.dim() - 1))).to(self.dtype)
+
+    def like(self, stored: torch.Tensor) -> torch.Tensor:
+        """Quantized `[tokens, kv_heads, head_dim]` values as the cache reads them back."""
+        return dequantize(stored, self.per_head, self.dtype)
+
+
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu-torch"
     layer_features = frozenset({"window", "softcap", "scale"})
+    quantized_cache_dtypes = frozenset(FP8_DTYPES)
 
     def __init__(self, *args, native: bool = True, **kwargs) -> None:
         """`native`: use the C++ decode kernel where built (the platform's cpu_native)."""
@@ -91,6 +109,15 @@ class CpuAttentionBackend(AttentionBackend):
     def check_layer(self, **options: Any) -> None:
         super().check_layer(**options)
         if options.get("window") is not None or options.get("softcap") is not None:
+            self.torch_decode_layers = True
+
+    def use_cache_dtype(self, cache_dtype: torch.dtype) -> None:
+        """An fp8 cache is written as paged.model.kv_quant.quantize does and read back as
+        stored * scale, on the torch path (the C++ kernel reads model-dtype caches only);
+        attention always sees the cached values, a prompt's own K/V too, as in the Triton
+        kernels."""
+        super().use_cache_dtype(cache_dtype)
+        if self.quantized_cache:
             self.torch_decode_layers = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -161,6 +188,7 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan: CpuPlan = meta.extra
         native = self.native is not None and window is None and softcap is None
+        native = native and not self.quantized_cache
         if not native and meta.num_decodes and plan.decode_table is None:
             self.torch_decode_layers = True  # a layer check_layer did not announce
             plan = self.plan(meta).extra
@@ -176,7 +204,15 @@ class CpuAttentionBackend(AttentionBackend):
         slots = meta.slot_mapping
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if (
+        if self.quantized_cache:  # fp8: written as bytes (index_copy_ has no float8 kernels)
+            ks, vs = self.kv_scales(kv_cache)
+            kq, vq = quantize(k, ks, self.cache_dtype), quantize(v, vs, self.cache_dtype)
+            for cache, x in ((k_cache, kq), (v_cache, vq)):
+                raw = cache.view(torch.uint8).view(h, -1, d)
+                raw.index_copy_(1, slots, x.view(torch.uint8).transpose(0, 1))
+            k_cache, v_cache = Dequantized(k_cache, ks, q.dtype), Dequantized(v_cache, vs, q.dtype)
+            k, v = k_cache.like(kq), v_cache.like(vq)  # what the cache holds, for this chunk
+        elif (
             self.native is not None and window is None and softcap is None
         ):  # writes K/V, decodes from the blocks in place
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

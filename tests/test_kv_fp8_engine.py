@@ -1,0 +1,153 @@
+"""--kv-cache-dtype fp8 through the engine on the CPU backend (tiny random Llama, float32):
+greedy output token-identical to HF with its K/V rounded through fp8 the same way, with
+prefix caching, chunked prefill and preemption; the block count for the same memory; logprobs
+close to the unquantized cache; scales from a checkpoint; refusals."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from kv_fp8_hf import hf_greedy_fp8
+
+from paged import LLM, SamplingParams
+from paged.config import EngineConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(2, 320, (37,), generator=g).tolist()
+    out = [shared + torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 20)]
+    out += [torch.randint(2, 320, (n,), generator=g).tolist() for n in (3, 17, 60)]
+    return out + [shared + [5, 6, 7]] * 2  # duplicates share every full block
+
+
+def tokens(llm: LLM, ps, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate(ps, params, use_tqdm=False)
+    llm.engine.kv.check_invariants(list(llm.engine.requests.values()))
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks, "blocks leaked"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models) -> str:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="module")
+def hf_fp8(llama) -> list[list[int]]:
+    return hf_greedy_fp8(llama, prompts(), GREEDY.max_tokens, torch.float8_e4m3fn)
+
+
+def test_unknown_value_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype,ratio", [("bfloat16", 2), ("float32", 4)])
+def test_block_count_for_the_same_memory(llama, dtype, ratio):
+    n = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(llama, dtype=dtype, kv_cache_memory="256KiB", kv_cache_dtype=kv)
+        n[kv] = llm.engine.num_blocks
+        assert llm.engine.runner.kv_caches[0].dtype == (
+            torch.float8_e4m3fn if kv == "fp8" else getattr(torch, dtype)
+        )
+    assert n["fp8"] == ratio * n["auto"]
+
+
+def test_greedy_matches_hf_with_fp8_kv(llama, hf_fp8):
+    """Batched, prefix cache on, prompts in 16-token chunks."""
+    llm = LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=128,
+              max_num_batched_tokens=16)  # fmt: skip
+    assert tokens(llm, prompts()) == hf_fp8
+    again = llm.generate(prompts()[-1:], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32  # prefix hit over fp8 blocks
+    assert again.outputs[0].token_ids == hf_fp8[-1]
+
+
+def test_preemption_with_fp8_kv(llama, hf_fp8):
+    """A pool too small for the batch: requests are preempted and recomputed."""
+    llm = LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=12, max_model_len=96)
+    assert tokens(llm, prompts()) == hf_fp8
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_e5m2_matches_hf(llama):
+    ps = prompts()[2:5]
+    llm = LLM(llama, dtype="float32", kv_cache_dtype="fp8_e5m2", num_kv_blocks=64)
+    assert tokens(llm, ps) == hf_greedy_fp8(llama, ps, GREEDY.max_tokens, torch.float8_e5m2)
+
+
+def test_logprobs_close_to_unquantized(llama):
+    """The fp8 continuation scored by the unquantized cache: logprobs close."""
+    ps = prompts()[2:5]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    fp8 = LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+    full = LLM(llama, dtype="float32", num_kv_blocks=64)
+    diffs = []
+    for p, o in zip(ps, fp8.generate(ps, params, use_tqdm=False)):
+        toks = o.outputs[0].token_ids
+        score = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        ref = full.generate([p + toks], score, use_tqdm=False)[0].prompt_logprobs[len(p) :]
+        diffs += [abs(d[t].logprob - r[t].logprob)
+                  for t, d, r in zip(toks, o.outputs[0].logprobs, ref)]  # fmt: skip
+    assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0
+
+
+def test_checkpoint_scales(llama, hf_fp8, tmp_path):
+    """k_scale / v_scale tensors of a checkpoint (per tensor, per KV head) are the cache's
+    scales; with --kv-cache-dtype auto they are unused."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "with-scales"
+    shutil.copytree(llama, path)
+    weights = load_file(path / "model.safetensors")
+    scales = {0: (torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])),
+              1: (torch.tensor([0.04, 0.04]), torch.tensor([0.02, 0.02]))}  # fmt: skip
+    weights["model.layers.0.self_attn.k_scale"] = scales[0][0]
+    weights["model.layers.0.self_attn.v_scale"] = scales[0][1]
+    weights["model.layers.1.self_attn.k_scale"] = torch.tensor(0.04)  # per tensor
+    weights["model.layers.1.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(weights, path / "model.safetensors")
+    ps = prompts()[2:5]
+    llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+    runner = llm.engine.runner
+    for i, cache in enumerate(runner.kv_caches):
+        got = runner.backend.kv_scales(cache)
+        assert all(torch.equal(g, w) for g, w in zip(got, scales[i]))
+    hf = hf_greedy_fp8(str(path), ps, GREEDY.max_tokens, torch.float8_e4m3fn, scales)
+    assert tokens(llm, ps) == hf
+    assert hf != hf_fp8[2:5]  # the scales change the rounding
+    auto = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    plain = LLM(llama, dtype="float32", num_kv_blocks=64)
+    assert tokens(auto, ps) == tokens(plain, ps)
+
+    weights["model.layers.1.self_attn.k_scale"] = torch.ones(3)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="layer 1 k_scale: 3 values"):
+        LLM(str(path), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+
+
+def test_platform_without_fp8_refused(llama, monkeypatch):
+    from paged_cpu.attention import CpuAttentionBackend
+    from paged_cpu.platform import CpuPlatform
+
+    class Plain(CpuAttentionBackend):
+        name = "plain"
+        quantized_cache_dtypes = frozenset()
+
+    class NoFp8(CpuPlatform):
+        name = "no-fp8"
+
+        def attention_backend(self):
+            return Plain
+
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: NoFp8())
+    why = "--kv-cache-dtype fp8 is not supported on platform no-fp8: attention backend .* cannot"
+    with pytest.raises(ValueError, match=why + " store the KV cache as float8_e4m3fn"):
+        LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
