@@ -86,6 +86,7 @@ def test_matches_hf_and_releases_blocks(mistral, expected, kw):
         assert outs == expected
         assert kv.window == WINDOW and kv.null_block is not None
         assert kv.num_window_released > 0
+        assert llm.engine.metrics()["kv_window_released_blocks"] == kv.num_window_released
         lag = CHUNK // BLOCK if kw.get("async_scheduling") else 0  # registered a step late
         assert kv.peak_seq_blocks <= BOUND + lag < FULL
         if "async_scheduling" not in kw and not small:

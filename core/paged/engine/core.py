@@ -241,6 +241,7 @@ class EngineCore:
             "generation_tokens": self.stats["generation_tokens"],
             "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.num_blocks,
+            "kv_window_released_blocks": self.kv.num_window_released,
         }
 
     # ---- the step -------------------------------------------------------------------

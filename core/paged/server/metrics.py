@@ -50,6 +50,11 @@ _ENGINE = {
     ),
     "generation_tokens": ("paged:generation_tokens", "tokens generated", 1),
     "num_preemptions": ("paged:num_preemptions", "requests preempted for lack of blocks", 1),
+    "kv_window_released_blocks": (
+        "paged:kv_window_released_blocks",
+        "KV blocks released early because they fell out of a sliding window",
+        1,
+    ),
 }
 
 
