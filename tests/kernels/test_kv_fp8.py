@@ -142,3 +142,26 @@ def test_scales_only_for_fp8(device):
     with pytest.raises(AssertionError, match="fp8"):
         reshape_and_cache(k, k, cache[0], cache[1], torch.zeros(1, dtype=torch.long,
                           device=device), torch.ones(1, device=device))  # fmt: skip
+
+
+def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch):
+    """The engine on the Triton backend (interpreted) with an fp8 cache: a prompt of many
+    prefill chunks, then decode; greedy tokens equal HF's with its K/V rounded through fp8."""
+    from kv_fp8_hf import hf_greedy_fp8
+    from test_long_prompt import TritonOnCpu
+
+    from paged import LLM, SamplingParams
+
+    path = tiny_models["llama"]
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in (130, 20)]
+    llm = LLM(path, dtype="float32", max_model_len=512, max_num_batched_tokens=48,
+              num_kv_blocks=64, kv_cache_dtype="fp8")  # fmt: skip
+    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.kv.check_invariants([])
+    assert got == hf_greedy_fp8(path, prompts, 4, torch.float8_e4m3fn)
