@@ -95,10 +95,13 @@ def test_truncate_and_refusals(qwen3, qwen3_embedding):
     check_kv(qwen3)
 
 
-def test_llama_with_head_mixes_generation_and_embeddings(llama_lm):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_llama_with_head_mixes_generation_and_embeddings(llama_lm, overlap):
     """A model with an LM head runs for generation (auto) and takes embedding requests in the
-    same steps; greedy tokens are unchanged by the embeddings batched with them."""
-    llm = LLM(llama_lm, **ENGINE)
+    same steps; greedy tokens are unchanged by the embeddings batched with them. With
+    overlapped steps an embedding request's last chunk is in flight while the next step is
+    scheduled."""
+    llm = LLM(llama_lm, async_scheduling=overlap, **ENGINE)
     assert llm.engine.config.runner == "generate"
     ps = prompts([12, 45, 70], seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -132,4 +135,25 @@ def test_pooler_config_flag(llama_lm):
     ps = prompts([3, 50], seed=5)
     out = llm.embed(ps, use_tqdm=False)
     close([o.outputs.embedding for o in out], hf_pooled(llama_lm, ps, "CLS", normalize=False))
+    check_kv(llm)
+
+
+def test_mean_pooling_survives_preemption(llama_lm):
+    """A pool too small for both: a decoding request that needs a block preempts the
+    embedding request in the middle of its prompt, which is recomputed from position 0
+    (MEAN starts its sum over); its vector still equals HF's, the tokens are unchanged."""
+    llm = LLM(llama_lm, **{**ENGINE, "num_kv_blocks": 8, "max_model_len": 128})
+    gen, emb = prompts([15, 120], seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    alone = llm.generate([gen], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    eng, tokens, vec = llm.engine, [], None
+    eng.add_request("g", gen, greedy)
+    eng.add_request("e", emb, embedding_params(PoolingParams(pooling_type="MEAN")))
+    while eng.has_unfinished():
+        for eo in eng.step():
+            tokens += eo.new_token_ids if eo.request_id == "g" else []
+            vec = eo.embedding if eo.request_id == "e" else vec
+    assert eng.scheduler.num_preemptions > 0
+    assert tokens == alone
+    close([vec], hf_pooled(llama_lm, [emb], "MEAN", True))
     check_kv(llm)
