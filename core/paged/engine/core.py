@@ -93,6 +93,7 @@ class EngineCore:
             self.eos_token_ids,
             config.structured_outputs_backend,
         )
+        self.structured.pin_memory = self.platform.pin_memory
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(

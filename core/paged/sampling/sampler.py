@@ -102,10 +102,12 @@ def build_sampling_batch(
 
 
 def bitmask_rows(
-    mask: TokenBitmask, reqs: list[RequestView], device: torch.device
+    mask: TokenBitmask, reqs: list[RequestView], device: torch.device, pin: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """The step's bitmask (rows by request id) on the device, rows as in `reqs` (the
-    requests that sample, in logits row order)."""
+    requests that sample, in logits row order). `pin`: copy from page-locked memory, so the
+    copy is queued behind the forward instead of waiting for it (a copy from pageable memory
+    first waits for the stream)."""
     row_of, bm = mask
     pairs = [(i, row_of[r.request_id]) for i, r in enumerate(reqs) if r.request_id in row_of]
     if not pairs:
@@ -114,8 +116,12 @@ def bitmask_rows(
     src = [j for _, j in pairs]
     if src != list(range(bm.shape[0])):
         bm = bm[torch.tensor(src)]
+    if pin and not bm.is_pinned():
+        bm = bm.pin_memory()
     everyone = rows == list(range(len(reqs)))
-    rows_t = None if everyone else torch.tensor(rows, dtype=torch.int64).to(device)
+    rows_t = None
+    if not everyone:
+        rows_t = torch.tensor(rows, dtype=torch.int64, pin_memory=pin).to(device, non_blocking=True)
     return rows_t, bm.to(device, non_blocking=True)
 
 

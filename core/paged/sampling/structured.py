@@ -149,6 +149,7 @@ class StructuredOutputs:
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, once there are matchers
         self.pending: dict[str, tuple[list[Any], Future]] = {}  # first id -> (sequences, job)
         self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
+        self.pin_memory = False  # the engine sets it where the platform pins host buffers
         self._early: dict[str, str | None] = {}  # sequence id -> accept()'s answer, taken early
 
     @staticmethod
@@ -288,7 +289,8 @@ class StructuredOutputs:
                      if s.request_id in self.masks]  # fmt: skip
         if not sampling:
             return None
-        bm = torch.full((len(sampling), words_of(self.vocab_size)), -1, dtype=torch.int32)
+        shape = (len(sampling), words_of(self.vocab_size))
+        bm = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
         words = bm.numpy().view(np.uint32)
         masks = [self.masks[r.request_id] for r in sampling]
         live = [

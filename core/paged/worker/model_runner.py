@@ -262,7 +262,7 @@ class ModelRunner:
         if callable(mask):  # filled now, while the device runs the queued forward
             mask = mask()
         if mask is not None:
-            sb.bitmask = bitmask_rows(mask, reqs, self.device)
+            sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
         tokens = sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
