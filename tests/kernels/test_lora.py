@@ -25,12 +25,15 @@ def batch_for(token_slot: list[int], slots: int, device) -> LoRABatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_slot", [[0, 1, -1, 0, 2, 1, -1], [-1, -1], [2] * 20 + [0] * 3])
-def test_shrink_expand_match_reference(device, dtype, token_slot):
-    slots, rank, k, outs = 3, 8, 40, [24, 8, 8]  # a qkv-like projection: three slices
+@pytest.mark.parametrize("k", [40, 1024])  # 1024: the shrink splits K over 4 programs
+def test_shrink_expand_match_reference(device, dtype, token_slot, k):
+    slots, rank, outs = 3, 8, [24, 8, 8]  # a qkv-like projection: three slices
     g = torch.Generator().manual_seed(len(token_slot))
     t = len(token_slot)
     x = torch.randn(t, k, generator=g).to(device, dtype)
-    a = (0.3 * torch.randn(slots, len(outs) * rank, k, generator=g)).to(device, dtype)
+    a = (0.3 * torch.randn(slots, len(outs) * rank, k, generator=g) / (k / 40) ** 0.5).to(
+        device, dtype
+    )
     bs = [(0.3 * torch.randn(slots, n, rank, generator=g)).to(device, dtype) for n in outs]
     y0 = torch.randn(t, sum(outs), generator=g).to(device, dtype)
     meta = batch_for(token_slot, slots, device)

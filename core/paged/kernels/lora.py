@@ -33,6 +33,7 @@ def _lora_gemm(
     stride_wn,
     stride_ym,
     ADD: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -40,7 +41,8 @@ def _lora_gemm(
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(1) // SPLIT_K
+    pid_k = tl.program_id(1) % SPLIT_K
     slot = tl.program_id(2)
     lo = tl.load(starts_ptr + slot)
     hi = tl.load(starts_ptr + slot + 1)
@@ -54,7 +56,8 @@ def _lora_gemm(
     col_ok = cols < N
     w_base = w_ptr + slot.to(tl.int64) * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # this program's share of K
+    for k0 in range(pid_k * k_len, min(K, (pid_k + 1) * k_len), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_ptr + tok[:, None] * stride_xm + x_col + ks[None, :],
@@ -64,44 +67,50 @@ def _lora_gemm(
         if UPCAST:  # the CPU interpreter multiplies bf16 storage (uint16) as ints
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        else:
-            w = w.to(a.dtype)
+        else:  # expand: the float32 shrink output times the model-dtype B
+            a = a.to(w.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
     out = y_ptr + tok[:, None] * stride_ym + cols[None, :]
     mask = valid[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:  # K split over programs: partial sums into a float32 output
+        tl.atomic_add(out, acc, mask=mask)
+        return
     if ADD:
         acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, w, y, meta, x_col: int, k: int, add: bool) -> None:
+def _launch(x, w, y, meta, x_col: int, k: int, add: bool, split_k: int = 1) -> None:
     t = x.shape[0]
     slots, n = w.shape[0], w.shape[1]
     if t == 0 or n == 0:
         return
     assert x.stride(1) == 1 and w.stride(2) == 1 and y.stride(1) == 1
     block_m = 16 if t <= 512 else 64
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_n = min(128 if n >= 4096 else 64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     cpu = x.device.type == "cpu"  # the interpreter
-    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n), slots)
+    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n) * split_k, slots)
     _lora_gemm[grid](
         x, w, y, meta.token_ids, meta.starts, n, k, x_col,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
-        ADD=add, IEEE=x.dtype == torch.float32 or cpu,
-        UPCAST=cpu and x.dtype != torch.float32,
+        ADD=add, SPLIT_K=split_k, IEEE=w.dtype == torch.float32 or cpu,
+        UPCAST=cpu and (x.dtype != torch.float32 or w.dtype != torch.float32),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
-    """paged.model.ops.lora_shrink on the device: x [T, K], a [slots, N, K] -> [T, N] (rows of
-    tokens without an adapter are zero)."""
-    out = x.new_zeros(x.shape[0], a.shape[1])
-    _launch(x, a, out, meta, 0, a.shape[2], add=False)
+    """paged.model.ops.lora_shrink on the device: x [T, K], a [slots, N, K] -> [T, N] float32
+    (rows of tokens without an adapter are zero). K (the hidden size) is split over programs
+    that add their partial products (N is only slices x rank: without the split, a decode
+    step would run a handful of programs down all of K)."""
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    k = a.shape[2]
+    _launch(x, a, out, meta, 0, k, add=False, split_k=max(1, min(32, k // 256)))
     return out
 
 

@@ -96,7 +96,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
     for s, (lo, hi) in enumerate(zip(meta.starts_host, meta.starts_host[1:])):
         if hi > lo:
             ids = meta.token_ids[lo:hi]
-            out[ids] = F.linear(x[ids], a[s])
+            out.index_put_((ids,), F.linear(x.index_select(0, ids), a[s]).to(out.dtype))
     return out
 
 
@@ -107,7 +107,9 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, col: int, me
     for s, (lo, hi) in enumerate(zip(meta.starts_host, meta.starts_host[1:])):
         if hi > lo:
             ids = meta.token_ids[lo:hi]
-            y.index_add_(0, ids, F.linear(xa[ids, col : col + r], b[s]).to(y.dtype))
+            rows = xa.index_select(0, ids)[:, col : col + r].to(b.dtype)
+            delta = F.linear(rows, b[s]).to(y.dtype)
+            y.index_put_((ids,), delta, accumulate=True)  # (index_add_ is slow on a view)
 
 
 _MASK_ADD: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
