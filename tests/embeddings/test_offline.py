@@ -157,3 +157,19 @@ def test_mean_pooling_survives_preemption(llama_lm):
     assert tokens == alone
     close([vec], hf_pooled(llama_lm, [emb], "MEAN", True))
     check_kv(llm)
+
+
+def test_causal_lm_architecture_without_head(qwen3_embedding, tmp_path):
+    """The same checkpoint labelled Qwen3ForCausalLM (as Qwen3-Embedding's config.json is):
+    no lm_head tensor, so --runner auto pools, and the weights load without one."""
+    import json
+    import shutil
+
+    path = shutil.copytree(qwen3_embedding, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"architectures": ["Qwen3ForCausalLM"]}))
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.config.runner == "pooling"
+    ps = prompts([20], seed=8)
+    close([llm.embed(ps, use_tqdm=False)[0].outputs.embedding],
+          hf_pooled(qwen3_embedding, ps, "LAST", True))  # fmt: skip
