@@ -228,7 +228,10 @@ def test_platform_without_dynamic_shapes_refuses_moe_at_start_up(models, monkeyp
     llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("shape, billions", [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 30.53)])
+@pytest.mark.parametrize(
+    "shape, billions",
+    [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 30.53), ("gemma-3-12b", 11.77), ("phi-4-mini", 3.84)],
+)
 def test_named_shapes_build_with_the_published_parameter_counts(shape, billions):
     """The --load-format dummy shapes for benchmarks (built on the meta device: no memory)."""
     from unittest.mock import MagicMock
@@ -240,3 +243,22 @@ def test_named_shapes_build_with_the_published_parameter_counts(shape, billions)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, MagicMock(), 4096)
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_hf_baseline_of_the_benchmarks_shares_the_experts(models, kind):
+    """`paged bench --baseline hf` builds HF's model on paged's weights: the stacked experts
+    map onto transformers' in-memory layout, so both compute the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from paged.cli.bench_hf import hf_from_paged
+
+    llm = LLM(models[kind], dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    try:
+        ours = hf_from_paged(llm.engine.runner.model, llm.engine.hf_config, torch.float32, "cpu")
+        ref = AutoModelForCausalLM.from_pretrained(models[kind], dtype=torch.float32).eval()
+        ids = torch.tensor([PROMPTS[3]])
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.engine.shutdown()

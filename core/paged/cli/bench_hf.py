@@ -50,6 +50,10 @@ def add_args(p: argparse.ArgumentParser, bench: str) -> None:
 
 
 # ---- the HF model on paged's weights ----------------------------------------------------
+# paged's stacked experts (model/moe.py) and transformers' (Qwen3-MoE, Mixtral): same layout
+_MOE_NAMES = ((".mlp.w13", ".mlp.experts.gate_up_proj"), (".mlp.w2", ".mlp.experts.down_proj"))
+
+
 def paged_to_hf_weights(model) -> Iterator[tuple[str, Any]]:
     """paged's parameters under HF names, stacked q/k/v and gate/up split back (views)."""
     by_stack: dict[str, dict[int, str]] = {}
@@ -57,6 +61,9 @@ def paged_to_hf_weights(model) -> Iterator[tuple[str, Any]]:
         by_stack.setdefault(stacked, {})[idx] = frag
     for name, p in model.named_parameters():
         hf_name = name if name.startswith("lm_head") else f"model.{name}"
+        for ours, theirs in _MOE_NAMES:  # stacked experts: transformers' in-memory layout
+            if hf_name.endswith(ours):
+                hf_name = hf_name.removesuffix(ours) + theirs
         parts = name.split(".")
         stacked = next((s for s in by_stack if s in parts), None)
         if stacked is None:
