@@ -165,3 +165,24 @@ def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.kv.check_invariants([])
     assert got == hf_greedy_fp8(path, prompts, 4, torch.float8_e4m3fn)
+
+
+def test_backend_probes_fp8_at_start_up(monkeypatch):
+    """The Triton backend writes and reads a tiny fp8 cache when told to use one: a device
+    whose Triton cannot convert fp8 is refused then, with the reason."""
+    from paged.kernels.backend import TritonAttentionBackend
+
+    def backend():
+        return TritonAttentionBackend(4, 2, 32, 32**-0.5, 16, torch.float32, torch.device("cpu"))
+
+    ok = backend()
+    ok.use_cache_dtype(torch.float8_e5m2)
+    assert ok.quantized_cache
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("fp8e4nv not supported in this architecture")
+
+    monkeypatch.setattr("paged.kernels.cache.reshape_and_cache", fails)
+    why = "cannot store the KV cache as float8_e4m3fn on this device .RuntimeError: fp8e4nv"
+    with pytest.raises(ValueError, match=why):
+        backend().use_cache_dtype(torch.float8_e4m3fn)

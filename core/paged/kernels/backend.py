@@ -45,6 +45,42 @@ class TritonAttentionBackend(AttentionBackend):
         if (why := unsupported_head_dim(head_dim)) is not None:
             raise ValueError(f"{why}; attention backend {cls.name!r}")
 
+    def use_cache_dtype(self, cache_dtype: torch.dtype) -> None:
+        super().use_cache_dtype(cache_dtype)
+        if self.quantized_cache:
+            self._probe_quantized_cache()
+
+    def _probe_quantized_cache(self) -> None:
+        """Write and read a tiny fp8 cache once, at start-up: a device whose Triton cannot
+        convert the dtype (e4m3 before NVIDIA sm89, some ROCm/XPU builds) fails here, with
+        the reason, instead of in the first step."""
+        from paged.kernels import paged_attention_decode, reshape_and_cache
+
+        dev, h, d = self.device, self.num_kv_heads, self.head_dim
+        name = str(self.cache_dtype).removeprefix("torch.")
+        try:
+            cache = torch.zeros(2, 1, self.block_size, h, d, dtype=self.cache_dtype, device=dev)
+            ones = torch.ones(h, dtype=torch.float32, device=dev)
+            kv = torch.full((1, h, d), 0.375, dtype=self.dtype, device=dev)  # exact in fp8
+            slot = torch.zeros(1, dtype=torch.long, device=dev)
+            reshape_and_cache(kv, kv, cache[0], cache[1], slot, ones, ones)
+            q = torch.ones(1, self.num_heads, d, dtype=self.dtype, device=dev)
+            out = torch.zeros_like(q)
+            seq, table = slot.int() + 1, slot.int().view(1, 1)
+            paged_attention_decode(q, cache[0], cache[1], out, seq, table, self.scale, 1, 1,
+                                   k_scale=ones, v_scale=ones, **self.decode_kwargs)  # fmt: skip
+            ok = bool((out.float().cpu() == 0.375).all())
+        except Exception as e:  # the compiler's or the driver's refusal
+            raise ValueError(
+                f"attention backend {self.name!r}: the Triton kernels cannot store the KV cache "
+                f"as {name} on this device ({type(e).__name__}: {str(e)[:300]})"
+            ) from None
+        if not ok:
+            raise ValueError(
+                f"attention backend {self.name!r}: an {name} KV cache reads back wrong values "
+                "on this device"
+            )
+
     def launch_tiles(self) -> tuple[dict[str, int], dict[str, int]]:
         """(decode, varlen) keyword arguments for `paged_attention_decode` and
         `paged_attention_varlen`; called once, at construction."""
