@@ -73,8 +73,11 @@ BOUND = -(-(WINDOW - 1 + CHUNK) // BLOCK) + 1
         {"num_kv_blocks": 40},
         {"num_kv_blocks": 40, "async_scheduling": True},
         # Fewer blocks than one sequence of max_model_len needs without the window; three
-        # sequences at once do not fit: preemption.
-        {"num_kv_blocks": window_blocks_needed(WINDOW, BLOCK, CHUNK)},
+        # sequences at once do not fit: preemption. No prefix caching: released at once.
+        {
+            "num_kv_blocks": window_blocks_needed(WINDOW, BLOCK, CHUNK),
+            "enable_prefix_caching": False,
+        },  # fmt: skip
     ],
     ids=["sync", "overlap", "small-pool"],
 )
@@ -94,7 +97,20 @@ def test_matches_hf_and_releases_blocks(mistral, expected, kw):
         kv.check_invariants([])
         assert kv.num_free_blocks == kv.num_usable_blocks  # nothing leaked
         if small:
-            assert llm.engine.scheduler.num_preemptions > 0
+            assert llm.engine.scheduler.num_preemptions > 0 and kv.hits == 0
+        if "async_scheduling" not in kw and not small:
+            # n > 1: the samples share the prompt's live blocks and its null positions, and
+            # each releases its own as it advances; equal to seeded singles.
+            sample = dict(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            prompt = {"prompt_token_ids": PROMPTS[2]}
+            forked = llm.generate(prompt, SamplingParams(n=3, seed=7, **sample), use_tqdm=False)
+            singles = llm.generate([prompt] * 3, [SamplingParams(seed=7 + i, **sample)
+                                                  for i in range(3)], use_tqdm=False)  # fmt: skip
+            samples = [o.token_ids for o in forked[0].outputs]
+            assert len({tuple(t) for t in samples}) > 1
+            assert samples == [o.outputs[0].token_ids for o in singles]
+            kv.check_invariants([])
+            assert kv.num_free_blocks == kv.num_usable_blocks
     finally:
         llm.engine.shutdown()
 
