@@ -25,9 +25,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 # checkpoint name -> (layer index, which scales it sets)
 _SCALE_NAME = re.compile(
-    r"(?:model\.)?layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
-    r"v_proj\.output_scale|attn\.k_scale|attn\.v_scale)$"
-)
+    r"(?:.*\.)?layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+    r"v_proj\.output_scale|attn\.k_scale|attn\.v_scale)"
+)  # any prefix: model., language_model.model., ...
 _WHICH = {
     "k_scale": "k", "attn.k_scale": "k", "k_proj.output_scale": "k",
     "v_scale": "v", "attn.v_scale": "v", "v_proj.output_scale": "v",
