@@ -45,7 +45,7 @@ def expected(mistral) -> list[list[int]]:
     expect = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     wide = AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32,
                                                 sliding_window=4096).eval()  # fmt: skip
-    assert [hf_greedy(wide, p, MAX_TOKENS) for p in PROMPTS] != expect  # the window matters
+    assert hf_greedy(wide, PROMPTS[2], MAX_TOKENS) != expect[2]  # the window matters
     return expect
 
 
