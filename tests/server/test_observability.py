@@ -228,7 +228,9 @@ def test_request_log_metrics_and_span(live):
     client, log, spans = live
     before = samples(client.get("/metrics").text)
     body = {"prompt": "a private prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    r = client.post("/v1/completions", json=body).json()
+    trace, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    r = client.post("/v1/completions", json=body,
+                    headers={"traceparent": f"00-{trace}-{parent}-01"}).json()  # fmt: skip
     rid = r["id"]
     after = samples(client.get("/metrics").text)
     lab = '{model_name="tiny-qwen"}'
@@ -261,3 +263,4 @@ def test_request_log_metrics_and_span(live):
     assert attrs["gen_ai.response.model"].string_value == "tiny-qwen"
     assert attrs["gen_ai.latency.time_to_first_token"].double_value > 0
     assert spans[0][0]["service.name"] == "paged"
+    assert (span.trace_id.hex(), span.parent_span_id.hex()) == (trace, parent)  # the caller's

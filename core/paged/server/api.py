@@ -263,6 +263,7 @@ async def _serve(
     from paged.server.metrics import ServerMetrics, cache_config_labels
     from paged.server.request_log import RequestLogger, StatsLogger
     from paged.server.serving import Serving
+    from paged.server.tracing import with_trace_context
 
     t0 = time.perf_counter()
     try:
@@ -330,7 +331,7 @@ async def _serve(
     state.max_stored_responses = args.max_stored_responses
     raise_fd_limit()
     uv = uvicorn.Config(
-        with_cors(build_app(state), args),
+        with_cors(with_trace_context(build_app(state), tracer), args),
         host=args.host,
         port=args.port,
         http=timed_h11_protocol(args.idle_timeout),

@@ -1,6 +1,7 @@
 """OpenTelemetry traces (--otlp-traces-endpoint): one span per request that ended, as vLLM
 sends it: named `llm_request`, kind SERVER, from the request's arrival to its end, with vLLM's
-gen_ai.* attributes (ids, sampling, token counts, latencies) and the finish reasons.
+gen_ai.* attributes (ids, sampling, token counts, latencies) and the finish reasons; a child of
+the caller's span when the HTTP request carries W3C `traceparent` headers.
 
 Spans leave through a BatchSpanProcessor to an OTLP exporter: gRPC by default, as vLLM's;
 OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf picks OTLP/HTTP. The exporter is the
@@ -10,6 +11,7 @@ optional extra `paged[otel]` (opentelemetry-sdk, opentelemetry-exporter-otlp).
 from __future__ import annotations
 
 import argparse
+import contextvars
 import os
 from typing import Any
 
@@ -24,6 +26,34 @@ def add_tracing_args(parser: argparse.ArgumentParser) -> None:
         "with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf an http://host:4318/v1/traces "
         f"URL); needs {INSTALL_HINT}",
     )
+
+
+# The W3C trace-context headers of the HTTP request being served (set by TraceContext): a
+# request's span continues the caller's trace. The RequestRecord listener runs in the request's
+# task, so it sees them.
+_TRACE_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "paged_trace_headers", default=None
+)
+
+
+class TraceContext:
+    """ASGI middleware: keeps the request's traceparent / tracestate headers for its span."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1")
+                       for k, v in scope.get("headers") or []
+                       if k in (b"traceparent", b"tracestate")}  # fmt: skip
+            if headers:
+                token = _TRACE_HEADERS.set(headers)
+                try:
+                    return await self.app(scope, receive, send)
+                finally:
+                    _TRACE_HEADERS.reset(token)
+        return await self.app(scope, receive, send)
 
 
 def span_exporter(endpoint: str) -> Any:
@@ -98,12 +128,20 @@ class RequestTracer:
 
     def __call__(self, rec: Any) -> None:
         from opentelemetry.trace import SpanKind
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        headers = _TRACE_HEADERS.get()
+        parent = TraceContextTextMapPropagator().extract(headers) if headers else None
         start = int(rec.arrival * 1e9)
-        span = self.tracer.start_span("llm_request", kind=SpanKind.SERVER, start_time=start,
-                                      attributes=self.attributes(rec))  # fmt: skip
+        span = self.tracer.start_span("llm_request", parent, SpanKind.SERVER,
+                                      self.attributes(rec), start_time=start)  # fmt: skip
         span.end(end_time=start + int(rec.e2e * 1e9))
 
     def shutdown(self) -> None:
         """Send what is queued, then stop (at server exit)."""
         self.provider.shutdown()
+
+
+def with_trace_context(app: Any, tracer: RequestTracer | None) -> Any:
+    """The app behind TraceContext when spans are sent."""
+    return app if tracer is None else TraceContext(app)
