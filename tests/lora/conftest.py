@@ -31,6 +31,12 @@ def make_adapter(base_path: str, out: str, seed: int, **lora_kwargs) -> str:
 
 
 @pytest.fixture(scope="session")
+def adapter_maker():
+    """make_adapter(base path, out dir, seed, **LoraConfig kwargs) -> out dir."""
+    return make_adapter
+
+
+@pytest.fixture(scope="session")
 def lora_model(tiny_models) -> str:
     return tiny_models["llama"]
 

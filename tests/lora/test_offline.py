@@ -99,3 +99,31 @@ def test_lora_request_needs_enable_lora(lora_model, adapters):
         EngineConfig(model=lora_model, lora_modules=[f"a={adapters['alpha']}"])
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model=lora_model, enable_lora=True, tensor_parallel_size=2)
+
+
+def test_fused_projections_phi3(tmp_path, adapter_maker, hf_greedy):
+    """Phi-3 holds q/k/v and gate/up fused in HF too: adapters target qkv_proj and
+    gate_up_proj, one A for the stacked output and B split over our slices."""
+    import transformers as tf
+    from peft import PeftModel
+
+    cfg = tf.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                        max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
+                        pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    path = str(tmp_path / "phi3")
+    model.save_pretrained(path)
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    ad = adapter_maker(path, str(tmp_path / "ad"), 5, r=8, lora_alpha=16, target_modules=targets)
+    base = tf.Phi3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, ad).merge_and_unload().eval()
+    llm = LLM(path, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_memory="16MiB")
+    p = prompts(2)[1]
+    out = llm.generate([p], PARAMS, use_tqdm=False, lora_request=LoRARequest("a", 1, ad))
+    assert out[0].outputs[0].token_ids == hf_greedy(merged, p, N)

@@ -37,6 +37,9 @@ TARGET_SLICES = {
 }
 
 
+FUSED_PATHS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+
+
 def _shapes(layer: nn.Module, cfg) -> dict[str, tuple[int, list[int]]]:
     """{module path: (in features, [out features per slice])} of the layer's LoRA targets."""
     out: dict[str, tuple[int, list[int]]] = {}
@@ -92,6 +95,9 @@ class LoRAManager:
             for name, (path, j) in TARGET_SLICES.items()
             if path in common
         }
+        for name, path in FUSED_PATHS.items():  # a LoRA over the whole stacked output
+            if path in common:
+                self.expected[name] = (first[path][0], sum(first[path][1]))
         self.num_layers = hf_config.num_hidden_layers
         self.specs: dict[int, AdapterSpec] = {}  # checked adapters by id
         self.host: OrderedDict[int, dict] = OrderedDict()  # host tensors, LRU
@@ -155,6 +161,10 @@ class LoRAManager:
                     for name, (p, j) in TARGET_SLICES.items()
                     if p == path and (i, name) in tensors
                 }
+                for name, p in FUSED_PATHS.items():  # its A for every slice, B split
+                    if p == path and (i, name) in tensors:
+                        a, b = tensors[(i, name)]
+                        slices = dict(enumerate((a, bj) for bj in b.split(mod.out_sizes)))
                 mod.set_slot(slot, slices)
         self.slot_of[lid] = slot
         self.loads += 1

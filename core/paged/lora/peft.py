@@ -18,8 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# fused projections as some checkpoints hold them (Phi-3): one LoRA over the stacked output
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])"
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.("
+    + "|".join((*TARGETS, *FUSED))
+    + r")\.lora_([AB])"
     r"(?:\.default)?\.weight"
 )
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -84,12 +88,13 @@ def _check_config(cfg: dict, max_rank: int) -> tuple[int, float]:
             raise AdapterError(f"adapter: {key} (per-module ranks or alphas) is not supported")
     targets = cfg.get("target_modules") or []
     if isinstance(targets, str):
-        targets = [targets] if targets in TARGETS + ("all-linear",) else []
-    bad = [t for t in targets if t.split(".")[-1] not in TARGETS and t != "all-linear"]
+        targets = [targets] if targets in (*TARGETS, *FUSED, "all-linear") else []
+    known = (*TARGETS, *FUSED, "all-linear")
+    bad = [t for t in targets if t.split(".")[-1] not in known]
     if bad:
         raise AdapterError(
-            f"adapter: target modules {bad} are not supported (supported: {', '.join(TARGETS)}; "
-            "no embedding or lm_head LoRA)"
+            f"adapter: target modules {bad} are not supported (supported: "
+            f"{', '.join((*TARGETS, *FUSED))}; no embedding or lm_head LoRA)"
         )
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
     if not isinstance(r, int) or r < 1:
@@ -143,6 +148,9 @@ def read_spec(path: str, max_rank: int) -> AdapterSpec:
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = shape
     if not pairs:
         raise AdapterError(f"adapter: {file} holds no LoRA tensors")
+    for layer, mod in pairs:
+        if mod in FUSED and any((layer, part) in pairs for part in FUSED[mod]):
+            raise AdapterError(f"adapter: layer {layer} has LoRA on {mod} and on its parts")
     for key, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter: layer {key[0]} {key[1]} has lora_A or lora_B only")
@@ -164,7 +172,7 @@ def check_shapes(spec: AdapterSpec, expected: dict[str, tuple[int, int]], num_la
         if mod not in expected:
             raise AdapterError(
                 f"adapter: LoRA on {mod} is not supported for this model (supported: "
-                f"{', '.join(m for m in TARGETS if m in expected)})"
+                f"{', '.join(m for m in (*TARGETS, *FUSED) if m in expected)})"
             )
         fin, fout = expected[mod]
         if a[1] != fin or b[0] != fout:
