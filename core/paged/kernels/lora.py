@@ -57,7 +57,7 @@ def _lora_gemm(
     w_base = w_ptr + slot.to(tl.int64) * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # this program's share of K
-    for k0 in range(pid_k * k_len, min(K, (pid_k + 1) * k_len), BLOCK_K):
+    for k0 in range(pid_k * k_len, tl.minimum(K, (pid_k + 1) * k_len), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_ptr + tok[:, None] * stride_xm + x_col + ks[None, :],
