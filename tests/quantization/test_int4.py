@@ -19,8 +19,9 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i holds column 8c
 
 
 def _tiny_int4(path: str) -> str:
-    """A tiny Llama whose projections have 128 or 256 input columns (groups of 128)."""
-    cfg = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    """A tiny Llama whose projections have 256 or 512 input columns (groups of 128; two
+    tensor-parallel ranks get whole groups of the row-parallel o_proj and down_proj)."""
+    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
                          max_position_embeddings=256, eos_token_id=1, bos_token_id=0)  # fmt: skip
     torch.manual_seed(0)
@@ -116,6 +117,21 @@ def test_int4_checkpoint_matches_dequantized_hf(int4_models, kind):
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf.eval(), p, 16)
     llm.engine.kv.check_invariants()
+
+
+def test_int4_tensor_parallel_matches_dequantized_hf(int4_models):
+    """AWQ over two ranks (gloo): column shards of the stacked codes, row shards of o_proj
+    and down_proj by whole words and groups; greedy output is still HF's."""
+    llm = LLM(int4_models["awq"], dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=2,
+              max_num_batched_tokens=32, max_model_len=128)  # fmt: skip
+    try:
+        prompt = list(range(3, 40, 3))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.engine.shutdown()
+    hf = tf.AutoModelForCausalLM.from_pretrained(int4_models["awq-ref"], dtype=torch.float32)
+    assert got == hf_greedy(hf.eval(), prompt, 12)
 
 
 def _with_config(src: str, dst, qconfig: dict) -> str:

@@ -32,9 +32,21 @@ def expand_groups(scale: torch.Tensor, group_k: int, k: int) -> torch.Tensor:
     return scale.repeat_interleave(group_k, dim=1)[:, :k]
 
 
+def _grouped(w: torch.Tensor, values: torch.Tensor, group_k: int, fn) -> torch.Tensor:
+    """fn(w, per-column values) for w [N, K] and values [N, G] per group of group_k columns,
+    on a [N, G, group_k] view where the groups tile K (no [N, K] copy of the values)."""
+    n, k = w.shape
+    g = values.shape[1]
+    if g == 1:
+        return fn(w, values)
+    if g * group_k == k:
+        return fn(w.view(n, g, group_k), values[:, :, None]).view(n, k)
+    return fn(w, expand_groups(values, group_k, k))
+
+
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
     """float32 [N, K] of an fp8 weight and its [N, G] scales."""
-    return weight.float() * expand_groups(scale.float(), group_k, weight.shape[1])
+    return _grouped(weight.float(), scale.float(), group_k, torch.mul)
 
 
 def fp8_linear(
@@ -55,9 +67,9 @@ def fp8_linear(
 
 
 def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int32 [N, K/8] -> uint8 codes [N, K] (column k from bits 4*(k%8) of word k//8)."""
+    """int32 [N, K/8] -> int32 codes [N, K] (column k from bits 4*(k%8) of word k//8)."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
-    return ((codes[..., None] >> shifts) & 0xF).to(torch.uint8).flatten(-2)
+    return ((codes[..., None] >> shifts) & 0xF).flatten(-2)
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
@@ -73,10 +85,8 @@ def dequantize_int4(
     codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int
 ) -> torch.Tensor:
     """float32 [N, K]: (code - zero) * scale per group of `group_k` input columns."""
-    q = unpack_int4(codes).float()
-    k = q.shape[1]
-    z = expand_groups(zeros.float(), group_k, k)
-    return (q - z) * expand_groups(scales.float(), group_k, k)
+    q = _grouped(unpack_int4(codes).float(), zeros.float(), group_k, torch.sub)
+    return _grouped(q, scales.float(), group_k, torch.mul)
 
 
 def int4_linear(

@@ -30,6 +30,15 @@ class CudaPlatform(AcceleratorPlatform):
             return "triton is not installed"
         return None
 
+    def ops(self):
+        """The Triton op table; fp8 linears through torch._scaled_mm where the GPU has fp8."""
+        table = super().ops()
+        from paged_cuda.fp8 import fp8_linear, scaled_mm_available
+
+        if "fp8_linear" in table and scaled_mm_available():
+            table["fp8_linear"] = fp8_linear
+        return table
+
     def graph_runner(self):
         from paged_cuda.graphs import CudaGraphStepRunner
 

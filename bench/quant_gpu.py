@@ -1,0 +1,208 @@
+"""Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
+
+    python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
+        [--gemm-rows 1,64,256] [--skip-gemm] [--skip-engine]
+
+1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
+   (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
+   layer count (the step's linears without the head): bf16 cuBLAS (F.linear), fp8
+   torch._scaled_mm with row-wise scales (activations pre-quantized, and with paged's per-token
+   quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
+   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128). GB/s: weight bytes over time.
+2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
+   `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
+   `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights).
+
+Needs CUDA (exits cleanly without it). Results: bench/results/quant-gpu.md (+ JSON twin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "core"))
+
+# (name, N, K) of one Llama-3.1-8B layer's projections (q/k/v and gate/up stacked)
+LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+LAYERS = 32
+
+
+def gemm_bench(rows: list[int]) -> list[dict]:
+    from triton.testing import do_bench_cudagraph
+
+    from paged.kernels.fp8_gemm import fp8_gemm, fp8_linear, quantize_fp8_rows
+    from paged.kernels.int4_gemm import int4_linear
+    from paged.quantization.reference import pack_int4
+
+    dev, bf16 = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    weights = []
+    for _, n, k in LAYER:
+        w = torch.randn(n, k, device=dev, dtype=bf16, generator=gen) * 0.02
+        q, s = quantize_fp8_rows(w)
+        codes = pack_int4(torch.randint(0, 16, (n, k), device=dev, generator=gen))
+        sc = torch.rand(n, k // 128, device=dev, generator=gen) * 0.004 + 0.002
+        z = torch.full((n, k // 128), 8, dtype=torch.uint8, device=dev)
+        weights.append(dict(w=w, q=q, s=s, codes=codes, sc=sc, z=z, k=k))
+    layer_bytes = {"bf16": sum(2 * n * k for _, n, k in LAYER)}
+    layer_bytes["fp8"] = layer_bytes["bf16"] // 2
+    layer_bytes["int4"] = sum(n * k // 2 + n * (k // 128) * 5 for _, n, k in LAYER)
+    scaled_mm = hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)
+    out = []
+    for m in rows:
+        x = {w["k"]: torch.randn(m, w["k"], device=dev, dtype=bf16, generator=gen)
+             for w in weights}  # fmt: skip
+        xq = {k: quantize_fp8_rows(v) for k, v in x.items()}
+
+        def layer(fn, x=x, xq=xq):
+            return lambda: [fn(w, x[w["k"]], xq[w["k"]]) for w in weights]
+
+        variants = {
+            "bf16 cuBLAS": ("bf16", layer(lambda w, a, aq: torch.nn.functional.linear(a, w["w"]))),
+            "fp8 Triton (+quant)": ("fp8", layer(lambda w, a, aq: fp8_linear(a, w["q"], w["s"],
+                                                                             w["k"]))),
+            "fp8 Triton GEMM only": ("fp8", layer(lambda w, a, aq: fp8_gemm(
+                aq[0], aq[1], w["q"], w["s"], w["k"], None, bf16))),
+            "int4 Triton (group 128)": ("int4", layer(lambda w, a, aq: int4_linear(
+                a, w["codes"], w["sc"], w["z"], 128))),
+        }  # fmt: skip
+        if scaled_mm:
+            from paged_cuda.fp8 import fp8_linear as cuda_fp8
+
+            def mm(w, a, aq):
+                return torch._scaled_mm(aq[0], w["q"].t(), scale_a=aq[1],
+                                        scale_b=w["s"].view(1, -1), out_dtype=bf16)  # fmt: skip
+
+            variants["fp8 _scaled_mm only"] = ("fp8", layer(mm))
+            variants["fp8 _scaled_mm (+quant)"] = (
+                "fp8", layer(lambda w, a, aq: cuda_fp8(a, w["q"], w["s"], w["k"])))  # fmt: skip
+        for name, (kind, fn) in variants.items():
+            ms = do_bench_cudagraph(fn, return_mode="median")
+            step = ms * LAYERS
+            gbs = layer_bytes[kind] / ms / 1e6
+            out.append(dict(rows=m, variant=name, layer_ms=ms, step_ms=step, gb_per_s=gbs))
+            print(f"M={m:<4} {name:<26} layer {ms * 1e3:8.1f} us  x{LAYERS} = {step:6.2f} ms "
+                  f"{gbs:7.0f} GB/s", flush=True)  # fmt: skip
+    return out
+
+
+def paged_cmd(*args: object) -> list[str]:
+    return [sys.executable, "-m", "paged.cli.main", *map(str, args)]
+
+
+def engine_bench(args, variant: str, out: Path) -> dict:
+    base = ["--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16"]
+    if variant != "none":
+        base += ["--quantization", variant]
+    base += shlex.split(args.engine_args)
+    res: dict = {"variant": variant, "commands": []}
+    lat, tp = out / f"latency-{variant}.json", out / f"throughput-{variant}.json"
+    cmds = {
+        "latency": paged_cmd("bench", "latency", *base, "--batch-size", 1, "--input-len",
+                             args.lat_input, "--output-len", args.lat_output,
+                             "--no-enable-prefix-caching", "--num-iters-warmup", 1,
+                             "--num-iters", args.lat_iters, "--save-json", lat,
+                             "--disable-tqdm"),
+        "throughput": paged_cmd("bench", "throughput", *base, "--num-prompts", args.tp_prompts,
+                                "--input-len", args.tp_input, "--output-len", args.tp_output,
+                                "--save-json", tp, "--disable-tqdm"),
+    }  # fmt: skip
+    for name, cmd in cmds.items():
+        res["commands"].append(shlex.join(cmd))
+        print(f"$ {shlex.join(cmd)}", flush=True)
+        try:
+            p = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True,
+                               cwd=ROOT)  # fmt: skip
+            if p.returncode:
+                res[f"{name}_error"] = (p.stdout + p.stderr)[-2000:]
+                print(res[f"{name}_error"], flush=True)
+        except subprocess.TimeoutExpired:
+            res[f"{name}_error"] = f"timed out after {args.timeout} s"
+    for name, path in (("latency", lat), ("throughput", tp)):
+        if path.is_file():
+            res[name] = json.loads(path.read_text())
+    return res
+
+
+def _f(v, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def report(gemms: list[dict], engine: list[dict], args) -> str:
+    lines = []
+    if gemms:
+        lines += [f"\n### GEMMs of one step ({LAYERS} layers x qkv/o/gate_up/down), median\n",
+                  "| M | variant | one layer us | step ms | weight GB/s |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for g in gemms:
+            lines.append(f"| {g['rows']} | {g['variant']} | {g['layer_ms'] * 1e3:.1f} "
+                         f"| {g['step_ms']:.2f} | {g['gb_per_s']:.0f} |")  # fmt: skip
+    if engine:
+        lines += [f"\n### Engine, {args.model}, dummy weights: batch 1 ({args.lat_input} in / "
+                  f"{args.lat_output} out) and {args.tp_prompts} x {args.tp_input}/{args.tp_output}"
+                  "\n", "| --quantization | decode ms/token | TTFT ms | total tok/s | "
+                  "output tok/s |", "|---|---|---|---|---|"]  # fmt: skip
+        for e in engine:
+            lat, tp = e.get("latency", {}), e.get("throughput", {})
+            err = "; ".join(k for k in e if k.endswith("_error"))
+            lines.append(f"| {e['variant']}{' (' + err + ')' if err else ''} "
+                         f"| {_f(lat.get('mean_tpot_ms'))} | {_f(lat.get('mean_ttft_ms'), '.1f')} "
+                         f"| {_f(tp.get('total_tokens_per_s'), '.0f')} "
+                         f"| {_f(tp.get('output_tokens_per_s'), '.0f')} |")  # fmt: skip
+        lines += ["", "commands:"] + [f"- `{c}`" for e in engine for c in e["commands"]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a = ap.add_argument
+    a("--model", default="llama-3.1-8b", help="a named shape (dummy weights)")
+    a("--variants", default="none,fp8,awq", help="--quantization values; none = bf16")
+    a("--gemm-rows", default="1,64,256")
+    a("--skip-gemm", action="store_true")
+    a("--skip-engine", action="store_true")
+    a("--lat-input", type=int, default=128)
+    a("--lat-output", type=int, default=128)
+    a("--lat-iters", type=int, default=3)
+    a("--tp-prompts", type=int, default=1000)
+    a("--tp-input", type=int, default=256)
+    a("--tp-output", type=int, default=256)
+    a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
+    a("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    from common import write_results
+
+    gemms = [] if args.skip_gemm else gemm_bench([int(r) for r in args.gemm_rows.split(",")])
+    engine = []
+    if not args.skip_engine:
+        with tempfile.TemporaryDirectory() as tmp:
+            for v in args.variants.split(","):
+                engine.append(engine_bench(args, v, Path(tmp)))
+    text = report(gemms, engine, args)
+    print(text)
+    rows = [(f"M={g['rows']} {g['variant']}", f"step {g['step_ms']:.2f} ms, "
+             f"{g['gb_per_s']:.0f} GB/s") for g in gemms]  # fmt: skip
+    for e in engine:
+        lat, tp = e.get("latency", {}), e.get("throughput", {})
+        rows.append((f"--quantization {e['variant']}",
+                     f"decode {_f(lat.get('mean_tpot_ms'))} ms/token, "
+                     f"{_f(tp.get('total_tokens_per_s'), '.0f')} total tok/s"))  # fmt: skip
+    write_results("quant-gpu.md", f"Quantized weights, {args.model}", rows,
+                  {"gemms": gemms, "engine": engine, "report": text})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

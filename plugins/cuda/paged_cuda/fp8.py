@@ -1,0 +1,43 @@
+"""FP8 linears on Hopper/Ada tensor cores through cuBLASLt (`torch._scaled_mm` with row-wise
+scales): the `fp8_linear` op of the cuda platform where the device has fp8 (sm_89+).
+
+Per-token activation scales from the portable Triton quantization kernel, per-channel weight
+scales as `torch._scaled_mm`'s row-wise `scale_b`. Block-scaled weights (fp8 checkpoints with
+weight_block_size) and outputs other than bfloat16 (row-wise scaling's only output type) take
+the portable Triton GEMM instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged.kernels.fp8_gemm import fp8_gemm, quantize_fp8_rows
+
+
+def scaled_mm_available() -> bool:
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group_k: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n, k = weight.shape
+    q, s = quantize_fp8_rows(x2)
+    rowwise = scale.shape[1] == 1 and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+    if not rowwise or q.shape[0] == 0:
+        y = fp8_gemm(q, s, weight, scale, group_k, bias, x.dtype)
+    else:
+        # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants
+        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, n),
+                             out_dtype=torch.bfloat16)  # fmt: skip
+        if bias is not None:
+            y = y + bias
+    return y.view(*shape[:-1], n)
