@@ -124,6 +124,20 @@ def test_request_log_line(caplog):
     assert "'temperature': 0.5" in line and "'max_tokens': 8" in line
 
 
+def test_request_log_flags():
+    from paged.cli.main import build_parser
+    from paged.server.request_log import request_logger
+
+    def logger(*flags: str):
+        argv = ["serve", *flags]
+        return request_logger(build_parser(argv).parse_args(argv), lambda: None)
+
+    assert logger("--disable-log-requests") is None
+    assert not logger().content and logger("--enable-log-requests") is not None
+    on = logger("--log-requests-content", "--max-log-len", "5")
+    assert on.content and on.max_len == 5
+
+
 def test_stats_line():
     from paged.server.request_log import StatsLogger
 

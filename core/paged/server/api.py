@@ -261,7 +261,7 @@ async def _serve(
     from paged.server.http_options import with_cors
     from paged.server.limits import raise_fd_limit, timed_h11_protocol
     from paged.server.metrics import ServerMetrics, cache_config_labels
-    from paged.server.request_log import RequestLogger, StatsLogger
+    from paged.server.request_log import StatsLogger, request_logger
     from paged.server.serving import Serving
     from paged.server.tracing import with_trace_context
 
@@ -304,9 +304,9 @@ async def _serve(
     cache_info = lambda: cache_config_labels(config, engine.info)  # noqa: E731
     metrics = ServerMetrics(name, lambda: engine.stats, getattr(engine, "replicas", None),
                             args.metrics_prefix, cache_info)  # fmt: skip
-    if not args.disable_log_requests:
-        tok = lambda: engine.tokenizer  # noqa: E731
-        metrics.listeners.append(RequestLogger(args.log_requests_content, args.max_log_len, tok))
+    requests_log = request_logger(args, lambda: engine.tokenizer)
+    if requests_log is not None:
+        metrics.listeners.append(requests_log)
     tracer = None
     if args.otlp_traces_endpoint:
         from paged.server.tracing import RequestTracer

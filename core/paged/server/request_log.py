@@ -84,6 +84,13 @@ class RequestLogger:
             request_log.info("%s", self.line(rec))
 
 
+def request_logger(args: argparse.Namespace, tokenizer: Callable[[], Any]) -> RequestLogger | None:
+    """The request log the flags ask for (None: --disable-log-requests)."""
+    if args.disable_log_requests:
+        return None
+    return RequestLogger(args.log_requests_content, args.max_log_len, tokenizer)
+
+
 class StatsLogger:
     """Logs the engine's state every `interval` seconds from its stats (EngineCore.metrics(),
     summed over replicas)."""
