@@ -248,8 +248,12 @@ def test_request_log_metrics_and_span(live):
     rid = r["id"]
     after = samples(client.get("/metrics").text)
     lab = '{model_name="tiny-qwen"}'
-    for name in ("request_prefill_time_seconds_count", "request_decode_time_seconds_count",
-                 "request_prompt_tokens_count", "e2e_request_latency_seconds_count"):
+    for name in (
+        "request_prefill_time_seconds_count",
+        "request_decode_time_seconds_count",
+        "request_prompt_tokens_count",
+        "e2e_request_latency_seconds_count",
+    ):
         for prefix in ("vllm:", "paged:"):  # fmt: skip
             key = f"{prefix}{name}{lab}"
             assert after[key] - before[key] == 1, key

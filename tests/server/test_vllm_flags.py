@@ -256,9 +256,15 @@ def test_root_path(tls_server):
 
 def test_cors(tls_server):
     _, client, _ = tls_server
-    pre = client.options("/v1/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization,content-type", "Authorization": ""})
+    pre = client.options(
+        "/v1/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+            "Authorization": "",
+        },
+    )
     assert pre.status_code == 200  # preflight: no API key needed  # fmt: skip
     assert pre.headers["access-control-allow-origin"] == ORIGIN
     assert pre.headers["access-control-allow-credentials"] == "true"

@@ -36,7 +36,7 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         "--allowed-origins",
         type=_json_list,
         default=None,
-        help='CORS: origins browsers may call from, a JSON list (\'["*"]\' for any); unset: '
+        help="CORS: origins browsers may call from, a JSON list ('[\"*\"]' for any); unset: "
         "no CORS headers (vLLM's default is any origin)",
     )
     g.add_argument("--allowed-methods", type=_json_list, default=["*"],

@@ -202,23 +202,33 @@ class ServerMetrics:
         self.queue = hist("paged:request_queue_time_seconds", "time waiting to be scheduled", _E2E)
         self.tpot = hist("paged:time_per_output_token_seconds",
                          "time per output token (each token after the first)", _ITL)  # fmt: skip
-        self.req_tpot = hist("paged:request_time_per_output_token_seconds",
-                             "a request's decode time over its tokens after the first", _ITL)
+        self.req_tpot = hist(
+            "paged:request_time_per_output_token_seconds",
+            "a request's decode time over its tokens after the first",
+            _ITL,
+        )
         self.prefill = hist("paged:request_prefill_time_seconds",
                             "first scheduled to first token", _E2E)  # fmt: skip
         self.decode = hist("paged:request_decode_time_seconds", "first to last token", _E2E)
         self.inference = hist("paged:request_inference_time_seconds",
                               "first scheduled to last token", _E2E)  # fmt: skip
         self.prompt_len = hist("paged:request_prompt_tokens", "prompt tokens per request", _TOKENS)
-        self.gen_len = hist("paged:request_generation_tokens",
-                            "generated tokens per request (all its sequences)", _TOKENS)
-        self.max_gen = hist("paged:request_max_num_generation_tokens",
-                            "generated tokens of a request's longest sequence", _TOKENS)
+        self.gen_len = hist(
+            "paged:request_generation_tokens",
+            "generated tokens per request (all its sequences)",
+            _TOKENS,
+        )
+        self.max_gen = hist(
+            "paged:request_max_num_generation_tokens",
+            "generated tokens of a request's longest sequence",
+            _TOKENS,
+        )
         self.param_n = hist("paged:request_params_n", "the n of each request", _N)
         self.param_max = hist("paged:request_params_max_tokens",
                               "the max_tokens of each request", _TOKENS)  # fmt: skip
-        self.step_tokens = hist("paged:iteration_tokens_total",
-                                "tokens (prompt and generated) per engine step", _STEP)
+        self.step_tokens = hist(
+            "paged:iteration_tokens_total", "tokens (prompt and generated) per engine step", _STEP
+        )
         self._last_step: dict[int, float] = {}  # id(stats source) -> its last token total
         self.success = Counter(
             "paged:request_success",

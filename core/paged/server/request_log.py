@@ -26,8 +26,12 @@ def add_log_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logs")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="no log line per finished request")  # fmt: skip
-    g.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",
-                   help="a log line per finished request (the default; vLLM's spelling)")
+    g.add_argument(
+        "--enable-log-requests",
+        dest="disable_log_requests",
+        action="store_false",
+        help="a log line per finished request (the default; vLLM's spelling)",
+    )
     g.add_argument(
         "--log-requests-content",
         action="store_true",
@@ -39,8 +43,12 @@ def add_log_args(parser: argparse.ArgumentParser) -> None:
                    "shown (default: all)")  # fmt: skip
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic engine stats line")  # fmt: skip
-    g.add_argument("--log-stats-interval", type=float, default=10.0,
-                   help="seconds between engine stats lines (default: %(default)s)")
+    g.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine stats lines (default: %(default)s)",
+    )
 
 
 def check_log_args(args: argparse.Namespace) -> None:
