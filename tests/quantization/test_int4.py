@@ -9,98 +9,10 @@ import json
 import pytest
 import torch
 import transformers as tf
-from quant_ckpt import dequantized_model, hf_greedy, rewrite
+from quant_ckpt import QCONFIG, hf_greedy
 
 from paged import LLM, SamplingParams
 from paged.quantization import QuantLinear
-
-GROUP = 128
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i holds column 8c + order[i]
-
-
-def _tiny_int4(path: str) -> str:
-    """A tiny Llama whose projections have 256 or 512 input columns (groups of 128; two
-    tensor-parallel ranks get whole groups of the row-parallel o_proj and down_proj)."""
-    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                         max_position_embeddings=256, eos_token_id=1, bos_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def _pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] ints in 0..15 -> int32 [R, C/8], AutoAWQ's interleaved order."""
-    r, c = values.shape
-    out = torch.zeros(r, c // 8, dtype=torch.int64)
-    for col in range(c // 8):
-        for i, order in enumerate(AWQ_ORDER):
-            out[:, col] |= values[:, col * 8 + order].long() << (4 * i)
-    return out.to(torch.int32)  # wraps past 2^31 as int32 storage does
-
-
-def _pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] -> int32 [R/8, C]: AutoGPTQ's qweight, 8 consecutive rows per word."""
-    r, c = values.shape
-    out = torch.zeros(r // 8, c, dtype=torch.int64)
-    for j in range(8):
-        out |= values[j::8].long() << (4 * j)
-    return out.to(torch.int32)
-
-
-def _pack_cols(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] -> int32 [R, C/8]: AutoGPTQ's qzeros, 8 consecutive columns per word."""
-    return _pack_rows(values.t().contiguous()).t().contiguous()
-
-
-def _quant(kind: str, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-
-    def quant(prefix: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        n, k = w.shape
-        q = torch.randint(0, 16, (k, n), generator=g)  # [in, out] as both libraries hold it
-        if kind == "awq":  # asymmetric: a zero point per group and column
-            zeros = torch.randint(0, 16, (k // GROUP, n), generator=g)
-        else:  # GPTQ sym=True: zero 8, stored minus one
-            zeros = torch.full((k // GROUP, n), 8)
-        scales = (torch.rand(k // GROUP, n, generator=g) * 0.03 + 0.02).half()
-        deq = (q - zeros.repeat_interleave(GROUP, 0)).float() * scales.float().repeat_interleave(
-            GROUP, 0
-        )
-        parts = {"scales": scales, "_dequantized": deq.t().contiguous()}
-        if kind == "awq":
-            parts |= {"qweight": _pack_awq(q), "qzeros": _pack_awq(zeros)}
-        else:
-            parts |= {"qweight": _pack_rows(q), "qzeros": _pack_cols(zeros - 1),
-                      "g_idx": torch.arange(k, dtype=torch.int32) // GROUP}  # fmt: skip
-        return parts
-
-    return quant
-
-
-QCONFIG = {
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
-            "version": "gemm"},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
-             "sym": True, "checkpoint_format": "gptq"},
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def int4_models(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("int4")
-    src = _tiny_int4(str(root / "float"))
-    out = {}
-    for kind in ("awq", "gptq"):
-        ref = rewrite(src, str(root / kind), _quant(kind), QCONFIG[kind])
-        out[kind] = str(root / kind)
-        out[f"{kind}-ref"] = dequantized_model(src, str(root / f"{kind}-ref"), ref)
-    return out
 
 
 @pytest.mark.parametrize("kind", ["awq", "gptq"])
