@@ -104,6 +104,13 @@ def test_per_request_histograms_and_cache_info():
     assert 'block_size="16"' in info and 'num_gpu_blocks="64"' in info and v[info] == 1
 
 
+def test_a_failing_listener_is_logged_not_raised(caplog):
+    m = metrics()
+    m.listeners.append(lambda rec: 1 / 0)
+    m.request_done(record())
+    assert "request listener" in caplog.text and "ZeroDivisionError" in caplog.text
+
+
 def test_request_log_line(caplog):
     from paged.server.request_log import RequestLogger
 

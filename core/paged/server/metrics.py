@@ -15,6 +15,7 @@ AsyncEngine's RequestRecord of each request that ended.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -277,8 +278,11 @@ class ServerMetrics:
             self.inference.observe(max(rec.last_token - queued, 0.0))
             if max(lens) > 1:
                 self.req_tpot.observe(decode / (max(lens) - 1))
-        for listener in self.listeners:
-            listener(rec)
+        for listener in self.listeners:  # a failing log or exporter never fails the request
+            try:
+                listener(rec)
+            except Exception:
+                logging.getLogger("paged.server").exception("request listener %r failed", listener)
 
     def finished(self, reason: str, seconds: float) -> None:
         self.success.labels(self.model_name, reason).inc()
