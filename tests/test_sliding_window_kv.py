@@ -52,6 +52,8 @@ def expected(mistral) -> list[list[int]]:
 def run(path: str, together: bool = False, **kw) -> tuple[list[list[int]], LLM]:
     llm = LLM(path, dtype="float32", block_size=BLOCK, max_num_batched_tokens=CHUNK,
               max_model_len=128, **kw)  # fmt: skip
+    for cache in llm.engine.runner.kv_caches:  # [2, kv_heads, blocks, ...]: NaN if ever read
+        cache[:, :, llm.engine.kv.null_block] = float("nan")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     if together:

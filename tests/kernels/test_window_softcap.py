@@ -97,8 +97,9 @@ def release_out_of_window(kv, table, seq_lens, query_lens, window):
     return kv, table
 
 
-@pytest.mark.parametrize("window", [20, 7])
-def test_released_blocks_are_never_read(window, device):
+@pytest.mark.parametrize("window,block_n", [(20, 16), (7, 16), (7, 64)])
+def test_released_blocks_are_never_read(window, block_n, device):
+    """block_n 64 > window: the causal-diagonal tile starts below the window."""
     gen = torch.Generator().manual_seed(5)
     seq_lens, query_lens = [70, 90, 6], [70, 9, 3]
     kv, table = make_cache(seq_lens, 2, 32, 8, torch.float32, gen, device)
@@ -109,7 +110,7 @@ def test_released_blocks_are_never_read(window, device):
     out = torch.full_like(q, float("nan"))
     qsl = i32([0, 70, 79, 82], device)
     paged_attention_varlen(q, kv_r[0], kv_r[1], out, qsl, i32(seq_lens, device), table_r, 0.3,
-                           70, 90, block_m=16, block_n=16, window=window)  # fmt: skip
+                           70, 90, block_m=16, block_n=block_n, window=window)  # fmt: skip
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOL[torch.float32]
 
@@ -121,6 +122,38 @@ def test_released_blocks_are_never_read(window, device):
     for splits in (1, 3):
         out = torch.full_like(q, float("nan"))
         paged_attention_decode(q, kv_r[0], kv_r[1], out, i32(seq_lens, device), table_r, 0.3,
-                               100, splits, block_n=16, window=window)  # fmt: skip
+                               100, splits, block_n=block_n, window=window)  # fmt: skip
         assert not out.isnan().any()
         assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_engine_releases_window_blocks_on_triton(tmp_path, monkeypatch):
+    """The engine on the Triton backend (interpreted), every layer windowed: blocks out of the
+    window are released (null block, here NaN, in the table) while chunked prefill and decode
+    run; greedy tokens equal HF's."""
+    from test_hf_parity import hf_greedy
+    from test_long_prompt import TritonOnCpu
+    from test_models_gemma_phi import make_model
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams
+
+    path = make_model("mistral", str(tmp_path / "mistral"))  # window 8
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    prompts = [list(range(5, 45)), list(range(100, 130))]
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=32,
+              max_model_len=128)  # fmt: skip
+    try:
+        assert llm.engine.runner.backend.name == "triton" and llm.engine.kv.window == 8
+        for cache in llm.engine.runner.kv_caches:  # [2, blocks, ...]: a read of it shows
+            cache[:, llm.engine.kv.null_block] = float("nan")
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        kv = llm.engine.kv
+        assert kv.num_window_released > 0
+        kv.check_invariants([])
+    finally:
+        llm.engine.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert got == [hf_greedy(hf, p, 6) for p in prompts]

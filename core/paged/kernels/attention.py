@@ -122,8 +122,8 @@ def _varlen_kernel(
     for start in range(full_end, kv_end, BLOCK_N):  # the causal diagonal
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        k_t, v = _load_kv_tile(
-            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid,
+        k_t, v = _load_kv_tile(  # a window narrower than a tile: not below it either
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos, valid & (pos >= kv_lo),
             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
         )  # fmt: skip
         k_t, v = _dequant_tile(k_t, v, q, QUANT, UPCAST)
