@@ -95,14 +95,29 @@ class ToolChoice(OpenAIModel):
 
 
 class Thinking(OpenAIModel):
-    type: Literal["enabled", "disabled"]
+    """enabled (with a budget) or adaptive: the template is asked to think (Qwen3's
+    enable_thinking) and the reasoning parser's output becomes thinking blocks."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=1024)
+    display: Literal["summarized"] | None = None  # "omitted" (redacted thinking) is refused
 
     @model_validator(mode="after")
     def _budget_iff_enabled(self) -> Thinking:
         if (self.type == "enabled") != (self.budget_tokens is not None):
             raise ValueError('thinking.budget_tokens: required with type "enabled", and only then')
         return self
+
+
+class JsonFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIModel):
+    """Structured outputs: the text follows the schema (effort levels are refused)."""
+
+    format: JsonFormat | None = None
 
 
 class Metadata(OpenAIModel):
@@ -135,15 +150,16 @@ class CountTokensRequest(RequestBody):
         self, reasoning_parser: str | None, max_tokens: int | None = None, **sampling: Any
     ) -> ChatCompletionRequest:
         """The same conversation as a chat request (ValueError names this API's field)."""
-        if self.thinking is not None and self.thinking.type == "enabled":
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
+        if thinking:
             if reasoning_parser is None:
                 raise ValueError("thinking: this server has no --reasoning-parser")
-            if max_tokens is not None and self.thinking.budget_tokens >= max_tokens:
+            budget = self.thinking.budget_tokens
+            if max_tokens is not None and budget is not None and budget >= max_tokens:
                 raise ValueError("thinking.budget_tokens: must be less than max_tokens")
         kwargs: dict[str, Any] = {}
         if reasoning_parser is not None:  # Qwen3-style templates: think only when asked
-            enabled = self.thinking is not None and self.thinking.type == "enabled"
-            kwargs["chat_template_kwargs"] = {"enable_thinking": enabled}
+            kwargs["chat_template_kwargs"] = {"enable_thinking": thinking}
         tools = [
             {
                 "type": "function",
@@ -240,10 +256,18 @@ class MessagesRequest(CountTokensRequest):
     ) = None
     stream: bool = False
     metadata: Metadata | None = None
+    cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
 
     def to_chat(self, reasoning_parser: str | None) -> ChatCompletionRequest:
         sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k")}
         user = self.metadata.user_id if self.metadata else None
+        fmt = self.output_config.format if self.output_config else None
+        if fmt is not None:
+            sampling["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": fmt.schema_},
+            }
         return self.chat_request(
             reasoning_parser, self.max_tokens, stop=self.stop_sequences, user=user, **sampling
         )

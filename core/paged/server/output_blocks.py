@@ -5,6 +5,7 @@ output is an ordered list of blocks (reasoning, text, tool calls) rather than on
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,13 +30,15 @@ def named_sse(kind: str, data: dict[str, Any]) -> str:
 
 
 def renamed(e: APIError, names: dict[str, str]) -> APIError:
-    """The error with chat's field names (max_tokens, messages) as this API spells them."""
-    if e.param is None or e.param.split(".")[0].split("[")[0] not in names:
-        return e
-    head = e.param.split(".")[0].split("[")[0]
-    param = names[head] + e.param[len(head) :]
-    message = e.message.replace(f"{head}:", f"{names[head]}:", 1) if e.message else e.message
-    return APIError(e.status, message, param, e.code, e.type)
+    """The error with chat's field names (max_tokens, messages, ...) as this API spells them:
+    `names` maps a regular expression matching the start of chat's name to this API's."""
+    for pattern, name in names.items():
+        m = re.match(pattern + r"(?=$|[.\[])", e.param or "")
+        if m:
+            param = m.expand(name) + e.param[m.end() :]
+            message = e.message.replace(m.group(0), m.expand(name), 1)
+            return APIError(e.status, message, param, e.code, e.type)
+    return e
 
 
 async def prepare(

@@ -28,12 +28,12 @@ from paged.server.protocol import ChatCompletionRequest
 from paged.server.serving import Prompt, Serving, SSEResponse, api_error
 
 PATH = "/v1/messages"
-NAMES = {
-    "messages": "messages",
-    "max_tokens": "max_tokens",
-    "stop": "stop_sequences",
-    "tool_choice": "tool_choice",
-    "tools": "tools",
+NAMES = {  # chat's field names (regular expressions) -> this API's
+    r"stop": "stop_sequences",
+    r"response_format\.json_schema\.schema": "output_config.format.schema",
+    r"response_format": "output_config",
+    r"tools\[(\d+)\]\.function\.parameters": r"tools[\1].input_schema",
+    r"tools\[(\d+)\]\.function\.name": r"tools[\1].name",
 }
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {

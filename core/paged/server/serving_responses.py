@@ -30,12 +30,12 @@ from paged.server.protocol import ChatCompletionRequest
 from paged.server.responses_protocol import ResponsesRequest
 from paged.server.serving import Prompt, Serving, SSEResponse, api_error
 
-NAMES = {
-    "messages": "input",
-    "max_tokens": "max_output_tokens",
-    "response_format": "text",
-    "tool_choice": "tool_choice",
-    "tools": "tools",
+NAMES = {  # chat's field names (regular expressions) -> this API's
+    r"messages": "input",
+    r"max_tokens": "max_output_tokens",
+    r"response_format\.json_schema\.schema": "text.format.schema",
+    r"response_format": "text.format",
+    r"tools\[(\d+)\]\.function\.(\w+)": r"tools[\1].\2",
 }
 ITEM_PREFIX = {"text": "msg", "tool": "fc", "reasoning": "rs"}
 
