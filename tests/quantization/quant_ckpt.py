@@ -83,7 +83,8 @@ def hf_logprobs(path: str, prompt: list[int], fp8: str | None = None) -> torch.T
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, m in hf.named_modules():
-            if fp8 is None or name.rpartition(".")[2] not in PROJ:
+            fused = ("qkv_proj", "gate_up_proj")  # Phi-3's, quantized as one layer as paged does
+            if fp8 is None or name.rpartition(".")[2] not in PROJ + fused or "experts" in name:
                 continue
             w = m.weight.float()
             if fp8 == "channel":
@@ -185,3 +186,28 @@ QCONFIG = {
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
              "sym": True, "checkpoint_format": "gptq"},
 }  # fmt: skip
+
+
+def tiny_arch(kind: str, path: str) -> str:
+    """A tiny random HF model of another architecture (phi3: fused qkv/gate_up in the file;
+    gemma2; qwen3_moe: experts in layer 1) saved to `path`."""
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=320, max_position_embeddings=256,
+                eos_token_id=1, bos_token_id=0, pad_token_id=0)  # fmt: skip
+    if kind == "phi3":
+        cfg = tf.Phi3Config(**base, intermediate_size=128)
+    elif kind == "gemma2":
+        cfg = tf.Gemma2Config(**base, intermediate_size=128, head_dim=16,
+                              query_pre_attn_scalar=16)  # fmt: skip
+    else:
+        cfg = tf.Qwen3MoeConfig(**base, intermediate_size=96, moe_intermediate_size=48,
+                                num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+                                head_dim=16)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

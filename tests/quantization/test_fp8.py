@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_ckpt import dequantized_model, hf_logprobs, prompt_logprob_drift, rewrite
+from quant_ckpt import dequantized_model, hf_logprobs, prompt_logprob_drift, rewrite, tiny_arch
 
 from paged import LLM, SamplingParams
 from paged.quantization import QuantLinear
@@ -120,3 +120,30 @@ def test_fp8_checkpoints_load_as_published(tiny_models, tmp_path, layout):
     float_dir = dequantized_model(src, str(tmp_path / "ref"), ref)
     assert prompt_logprob_drift(llm, PROMPT, hf_logprobs(float_dir, PROMPT, "as-is")) < MATCH
     assert prompt_logprob_drift(llm, PROMPT, hf_logprobs(float_dir, PROMPT)) < DRIFT
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma2", "qwen3_moe"])
+def test_quantized_at_load_other_architectures(tmp_path, kind):
+    """Phi-3's fused qkv/gate_up rows quantized before the split, Gemma 2, Qwen3-MoE (its
+    attention and dense layer quantized, the experts left in the model dtype)."""
+    path = tiny_arch(kind, str(tmp_path / kind))
+    llm = _llm(path, quantization="fp8")
+    dense_mlps = 1 if kind == "qwen3_moe" else 2
+    assert len(_quant_layers(llm)) == 2 * 2 + 2 * dense_mlps
+    assert prompt_logprob_drift(llm, PROMPT, hf_logprobs(path, PROMPT, fp8="channel")) < MATCH
+
+
+def test_quantized_moe_checkpoint_refused(tmp_path):
+    path = tiny_arch("qwen3_moe", str(tmp_path / "src"))
+    rewrite(path, str(tmp_path / "q"), _ct_quant("channel"), _ct_config("channel"))
+    with pytest.raises(ValueError, match="quantized mixture-of-experts checkpoints"):
+        _llm(str(tmp_path / "q"))
+
+
+def test_dummy_weights(tiny_models):
+    """--load-format dummy draws random fp8 weights (the GPU benchmarks' path)."""
+    llm = _llm(tiny_models["llama"], quantization="fp8", load_format="dummy")
+    layers = _quant_layers(llm)
+    assert all(m.weight.float().abs().max() > 0 and (m.weight_scale > 0).all() for m in layers)
+    out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
