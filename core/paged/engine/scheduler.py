@@ -94,11 +94,20 @@ class Scheduler:
         )
         # Waiting requests, unless this step already had to preempt.
         seats = self._seats()
-        skipped: list[Request] = []  # waiting requests whose adapter has no slot this step
+        # LoRA: the running requests use at most max_loras adapters (so every step fits in
+        # the slots and no running request waits for one). A waiting request whose adapter
+        # would exceed that waits, and so do the LoRA requests behind it (first come, first
+        # served: a busy adapter cannot starve another); base-model requests go ahead.
+        active = {r.lora_int_id for r in self.running} - {0} if self.max_loras else set()
+        skipped: list[Request] = []  # waiting requests whose adapter has no slot yet
+        skipped_lora = False
         while self.waiting and budget > 0 and not preempted:
             req = self.waiting[0]
-            if self.max_loras and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+            lid = req.lora_int_id
+            no_slot = lid not in active and len(active) >= self.max_loras
+            if lid and self.max_loras and (skipped_lora or no_slot):
                 skipped.append(self.waiting.popleft())
+                skipped_lora = True
                 continue
             if seats + 1 + len(req.followers) > self.max_num_seqs:
                 break
@@ -116,7 +125,8 @@ class Scheduler:
             req.status = Status.RUNNING
             req.first_scheduled_time = req.first_scheduled_time or time.time()
             self.running.append(req)
-            self._lora_fits(req, loras)
+            if lid:
+                active.add(lid)
             seats += 1 + len(req.followers)
             batch.reqs.append(req)
             batch.num_new.append(n)

@@ -225,7 +225,7 @@ class ModelRunner:
                 broadcast_host(view)
         input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
         if self.lora is not None:  # the step's adapters in slots, its tokens by slot
-            self.lora.prepare(batch.reqs, batch.num_new)
+            self.lora.prepare(batch.reqs, meta.query_lens_cpu)  # the forward's tokens
         if fill is not None:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:
