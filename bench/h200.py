@@ -362,19 +362,28 @@ def _ok(ok: bool | None) -> str:
 
 
 def _weights_gb(model: str) -> float | None:
-    s = _shape(model)
-    if not s:
+    """bf16 GB a decode step reads: every parameter of the shape (built on the meta device),
+    of the experts of a Mixture-of-Experts layer only the top-k of each token."""
+    if not _shape(model):
         return None
-    h, i, v, layers = (
-        s["hidden_size"],
-        s["intermediate_size"],
-        s["vocab_size"],
-        s["num_hidden_layers"],
-    )
-    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-    n = v * h * (1 if s["tie_word_embeddings"] else 2) + layers * per_layer + h
-    return n * 2 / 1e9  # bf16
+    from unittest.mock import MagicMock
+
+    import torch
+
+    from paged.model.registry import model_class
+    from paged.model.shapes import shape_config
+
+    cfg = shape_config(model)
+    with torch.device("meta"):
+        net = model_class(cfg)(cfg, MagicMock(), 4096)
+    n = 0.0
+    for name, p in net.named_parameters():
+        share = 1.0
+        if name.rsplit(".", 1)[-1] in ("w13", "w2"):  # stacked experts (model/moe.py)
+            moe = net.get_submodule(name.rsplit(".", 1)[0])
+            share = moe.top_k / moe.num_experts
+        n += p.numel() * share
+    return n * 2 / 1e9
 
 
 def report(args, res: dict, started: str) -> str:

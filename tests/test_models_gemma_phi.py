@@ -234,3 +234,23 @@ def test_llama3_rope_scaling_from_gguf(tmp_path, monkeypatch):
         assert [o.outputs[0].token_ids for o in outs] == expect
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi4mini"])
+def test_hf_baseline_of_the_benchmarks_on_our_weights(tmp_path, kind):
+    """`paged bench --baseline hf` builds HF's model on paged's weights (fused QKV and
+    gate-up split back, buffers HF computes at construction rebuilt): the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from paged.cli.bench_hf import hf_from_paged
+
+    path = make_model(kind, str(tmp_path / kind))
+    llm = LLM(path, dtype="float32", kv_cache_memory="8MiB", max_model_len=256)
+    try:
+        ours = hf_from_paged(llm.engine.runner.model, llm.engine.hf_config, torch.float32, "cpu")
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = torch.tensor([PROMPTS[3]])
+        with torch.no_grad():
+            torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+    finally:
+        llm.engine.shutdown()

@@ -54,8 +54,9 @@ def add_args(p: argparse.ArgumentParser, bench: str) -> None:
 _MOE_NAMES = ((".mlp.w13", ".mlp.experts.gate_up_proj"), (".mlp.w2", ".mlp.experts.down_proj"))
 
 
-def paged_to_hf_weights(model) -> Iterator[tuple[str, Any]]:
-    """paged's parameters under HF names, stacked q/k/v and gate/up split back (views)."""
+def paged_to_hf_weights(model, fused: set[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """paged's parameters under HF names, stacked q/k/v and gate/up split back (views),
+    except those HF keeps fused too (`fused`: HF's names, e.g. Phi-3's qkv_proj)."""
     by_stack: dict[str, dict[int, str]] = {}
     for frag, (stacked, idx) in model.stacked.items():
         by_stack.setdefault(stacked, {})[idx] = frag
@@ -66,7 +67,7 @@ def paged_to_hf_weights(model) -> Iterator[tuple[str, Any]]:
                 hf_name = hf_name.removesuffix(ours) + theirs
         parts = name.split(".")
         stacked = next((s for s in by_stack if s in parts), None)
-        if stacked is None:
+        if stacked is None or hf_name in fused:
             yield hf_name, p.detach()
             continue
         for idx, piece in enumerate(p.detach().split(model._shard_sizes(name), dim=0)):
@@ -90,7 +91,7 @@ def hf_from_paged(model, hf_config, dtype, device):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     with torch.no_grad():
         missing, unexpected = hf.load_state_dict(
-            dict(paged_to_hf_weights(model)), strict=False, assign=True
+            dict(paged_to_hf_weights(model, set(hf.state_dict()))), strict=False, assign=True
         )
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     if tied:
@@ -101,6 +102,9 @@ def hf_from_paged(model, hf_config, dtype, device):
     # Buffers computed in __init__ (rotary inv_freq) were made on meta: rebuild those modules.
     for name, mod in list(hf.named_modules()):
         if any(b.is_meta for b in mod.buffers(recurse=False)):
+            if hasattr(mod, "scalar_embed_scale"):  # Gemma's scaled embedding: a constant
+                mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
+                continue
             parent, _, attr = name.rpartition(".")
             with torch.device(device):
                 setattr(hf.get_submodule(parent), attr, type(mod)(hf.config))
