@@ -135,6 +135,11 @@ class EngineConfig:
     pooler_config: str | dict | None = _opt(
         'pooling override, JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}'
     )
+    speculative_config: Any = _opt(
+        'speculative decoding, JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or a draft model {"model": PATH, '
+        '"num_speculative_tokens": 4} (docs/speculative.md)'
+    )
     structured_outputs_backend: str = _opt(
         "grammar backend of structured outputs: xgrammar | auto (xgrammar) | llguidance "
         "(when installed)",
@@ -221,6 +226,7 @@ class EngineConfig:
 
         _check_vllm_flags(self)
         check_backend(self.structured_outputs_backend)
+        _check_speculative(self)
         _check_lora(self)
         if self.platform_options:
             known = platform_options()
@@ -303,6 +309,25 @@ class EngineConfig:
                 raise ValueError("model: given both as the argument and as --model")
             kwargs["model"] = values["model_flag"]
         return cls(**kwargs, platform_options=options)
+
+
+def _check_speculative(c: EngineConfig) -> None:
+    """Parse --speculative-config (JSON text or a dict) and refuse what cannot combine."""
+    from paged.spec_decode.config import SpeculativeConfig
+
+    spec = c.speculative_config = SpeculativeConfig.parse(c.speculative_config)
+    if spec is None:
+        return
+    if c.async_scheduling:
+        raise ValueError(
+            "async_scheduling: not supported with speculative_config (steps that verify "
+            "proposals resolve before the next is scheduled)"
+        )
+    if spec.method == "draft_model" and c.world_size > 1:
+        raise ValueError(
+            "speculative_config: a draft model needs tensor_parallel_size and "
+            "pipeline_parallel_size 1 (n-gram proposals work with any)"
+        )
 
 
 def platform_options() -> dict[str, tuple[str, PlatformOption]]:

@@ -60,6 +60,11 @@ class ScheduledBatch:
     # function that fills it: the driver calls it once the forward is queued, so that the
     # host fills the mask while the device computes.
     token_bitmask: TokenBitmask | Callable[[], TokenBitmask | None] | None = None
+    # Speculative decoding: {request id: most proposals} for the decodes given lookahead
+    # slots (the scheduler), and {request id: proposals} for those that verify some (the
+    # engine; such a request computes 1 + len(proposals) tokens: its last and the proposals).
+    lookahead: dict[str, int] = field(default_factory=dict)
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -57,6 +57,8 @@ class EngineCore:
         self.platform.configure(config.platform_options)
         self.hf_config, self.source = load_model_config(config)
         self.config = config = resolve_config(config, self.platform, self.hf_config)
+        if config.speculative_config is not None:  # verification steps are not overlapped
+            self.config = config = dataclasses.replace(config, async_scheduling=False)
         # --runner: a pooling model is built without its LM head (docs/models.md, Embeddings)
         runner = resolve_runner(config.runner, self.hf_config, self.source)
         if runner == "pooling" and config.pipeline_parallel_size > 1:
@@ -86,6 +88,13 @@ class EngineCore:
             config.max_loras if config.enable_lora else 0,
         )
         self.requests: dict[str, Request] = {}
+        self.spec = None  # speculative decoding (docs/speculative.md)
+        if config.speculative_config is not None:
+            from paged.spec_decode.decoder import SpecDecoder
+
+            draft = getattr(self.executor.driver, "draft", None)  # the driver's draft runner
+            self.spec = SpecDecoder(config.speculative_config, draft)
+            self.scheduler.lookahead = self.spec.lookahead
         # Masks (structured outputs, allowed ids, bad words): compiled off the step loop.
         self.structured = StructuredOutputs(
             self._load_tokenizer,
@@ -243,6 +252,7 @@ class EngineCore:
             "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.num_blocks,
             "kv_window_released_blocks": self.kv.num_window_released,
+            **(self.spec.metrics() if self.spec is not None else {}),
         }
 
     # ---- the step -------------------------------------------------------------------
@@ -260,6 +270,8 @@ class EngineCore:
             outs += self._resolve(prev)
             prev = self.inflight = None
         batch = self.scheduler.schedule()
+        if self.spec is not None:  # proposals for the decodes given lookahead slots
+            self.spec.propose(batch)
         if self.structured.masks:  # filled by the driver while the forward runs
             batch.token_bitmask = partial(self._bitmask, batch, prev)
         launched = None
@@ -311,8 +323,13 @@ class EngineCore:
             forked = [f for _, fs in batch.forks for f in fs]
             return self._fail([r for r in [*batch.reqs, *forked] if not r.finished], e)
         outs = []
-        for req, tok in self.scheduler.resolve(batch, computed, handle.reqs, sampled):
-            self.stats["generation_tokens"] += 1
+        extra = getattr(handle, "extra", {})  # verifying requests: tokens after the first
+        if self.spec is not None:
+            self.spec.record(batch, {rid: len(e[0]) for rid, e in extra.items()})
+        more = {rid: e[0] for rid, e in extra.items()}
+        for req, toks in self.scheduler.resolve(batch, computed, handle.reqs, sampled, more):
+            tok = toks[0]
+            self.stats["generation_tokens"] += len(toks)
             error = None
             if not req.finished and self.structured.masks:
                 state = self.structured.accept(req.request_id, tok)
@@ -324,10 +341,11 @@ class EngineCore:
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 self.structured.free(req.request_id)
-            out = self._output(req, [tok], error=error)
+            out = self._output(req, toks, error=error)
             if req.request_id in logprobs:
-                out.logprobs = [logprobs[req.request_id]]
-                out.ranks = [handle.ranks[req.request_id]]
+                rest = extra.get(req.request_id, ([], [], []))
+                out.logprobs = [logprobs[req.request_id], *rest[1][: len(toks) - 1]]
+                out.ranks = [handle.ranks[req.request_id], *rest[2][: len(toks) - 1]]
             if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
                 out.prompt_logprobs, out.prompt_ranks = req.prompt_logprobs, req.prompt_ranks
                 req.prompt_logprobs_sent = True

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import msgspec
+
 from paged.engine.core import EngineOutput
 from paged.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from paged.sampling.params import SamplingParams
@@ -81,6 +83,8 @@ class OutputState:
 
     def update(self, eo: EngineOutput) -> bool:
         """Apply an engine output; True when a stop string ended the sequence here."""
+        if len(eo.new_token_ids) > 1 and self.stops.stop and self.detok is not None:
+            return self._update_each(eo)  # several tokens (speculative decoding)
         out = self.out
         out.token_ids.extend(eo.new_token_ids)
         if eo.prompt_logprobs is not None:
@@ -103,6 +107,27 @@ class OutputState:
             out.finish_reason, out.stop_reason = eo.finish_reason, eo.stop_reason
         self.finished = self.finished or eo.finished or stopped
         return stopped
+
+    def _update_each(self, eo: EngineOutput) -> bool:
+        """Apply several new tokens one at a time, so that a stop string ends the output (its
+        tokens too) at the token that completes it, as without speculative decoding."""
+        n = len(eo.new_token_ids)
+        for j, tok in enumerate(eo.new_token_ids):
+            last = j == n - 1
+            one = msgspec.structs.replace(
+                eo,
+                new_token_ids=[tok],
+                finished=eo.finished and last,
+                finish_reason=eo.finish_reason if last else None,
+                stop_reason=eo.stop_reason if last else None,
+                logprobs=eo.logprobs[j : j + 1] if eo.logprobs else eo.logprobs,
+                ranks=eo.ranks[j : j + 1] if eo.ranks else eo.ranks,
+                prompt_logprobs=eo.prompt_logprobs if j == 0 else None,
+                prompt_ranks=eo.prompt_ranks if j == 0 else None,
+            )
+            if self.update(one):
+                return True
+        return False
 
     def text_delta(self) -> str:
         """New text safe to stream: holds back a possible partial stop string."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from paged.engine.kv_cache import KVCacheManager
 from paged.engine.request import Request, Status
@@ -40,6 +41,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_computed = 0  # prompt tokens through the forward (prefix hits excluded)
         self.finished_ids: list[str] = []  # ended since the last schedule(): workers forget them
+        # Speculative decoding: most proposals a decoding request may verify (0: none); its
+        # lookahead slots are allocated with the step and given back after it.
+        self.lookahead: Callable[[Request], int] | None = None
 
     def add(self, req: Request, followers: list[Request] = ()) -> None:
         """Queue `req`; `followers`: the other sequences of its prompt, forked from it. A group
@@ -77,7 +81,8 @@ class Scheduler:
             if not self._lora_fits(req, loras):
                 continue  # its adapter waits for a step with a free slot
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req, req.num_computed_tokens + n):
+            k = self._lookahead(req, n, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n + k):
                 victim = next((r for r in reversed(self.running) if r not in batch.reqs), req)
                 self._preempt(victim)
                 preempted = True
@@ -86,7 +91,9 @@ class Scheduler:
             else:
                 batch.reqs.append(req)
                 batch.num_new.append(n)
-                budget -= n
+                budget -= n + k
+                if k:
+                    batch.lookahead[req.request_id] = k
         batch.num_decodes = sum(
             1
             for n, r in zip(batch.num_new, batch.reqs)
@@ -150,6 +157,18 @@ class Scheduler:
         loras.add(lid)
         return True
 
+    def _lookahead(self, req: Request, n: int, budget: int) -> int:
+        """Proposals a decode may verify in this step: within the token budget, the context
+        length and max_tokens (every accepted token and the one after count as output)."""
+        if self.lookahead is None or n != 1 or req.num_pending:
+            return 0
+        if req.num_computed_tokens + 1 != req.num_tokens:
+            return 0
+        k = min(self.lookahead(req), budget - 1, self.max_model_len - req.num_tokens - 1)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free_request(req)
@@ -165,7 +184,8 @@ class Scheduler:
         Returns each request's computed count."""
         computed = []
         for req, n in zip(batch.reqs, batch.num_new):
-            req.num_computed_tokens += n
+            # A verifying request computes its last token for sure; the proposals once accepted.
+            req.num_computed_tokens += n - len(batch.spec.get(req.request_id, ()))
             computed.append(req.num_computed_tokens)
             if req.num_computed_tokens == req.num_tokens and req.params.pooling is None:
                 req.token_ids.append(PLACEHOLDER)
@@ -190,10 +210,13 @@ class Scheduler:
         computed: list[int],
         sampling: list[Request],
         sampled: list[int],
-    ) -> list[tuple[Request, int]]:
+        extra: dict[str, list[int]] | None = None,
+    ) -> list[tuple[Request, list[int]]]:
         """A launched step's tokens have landed: each replaces its request's oldest placeholder
         and is checked for a stop. `sampling`: the requests that sampled, in row order (the
-        launch's StepHandle.reqs). Returns (request, token) for those still alive."""
+        launch's StepHandle.reqs). `extra`: tokens after the first of verifying requests (the
+        accepted proposals after the first, and the token after them), appended one by one up
+        to a stop. Returns (request, its new tokens) for those still alive."""
         for req, upto in zip(batch.reqs, computed):  # K/V of the step's full blocks: cacheable
             if not req.finished and req.num_computed_tokens >= upto:
                 self.kv.cache_full_blocks(req, upto)
@@ -207,9 +230,19 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = time.time()
             self._check_stop(req, tok, idx + 1)
+            toks = [tok]
+            for t in (extra or {}).get(req.request_id, ()):
+                if req.finished:
+                    break
+                req.token_ids.append(t)  # the previous token (a proposal) was computed
+                req.num_computed_tokens += 1
+                toks.append(t)
+                self._check_stop(req, t, req.num_tokens)
             if req.finished:
                 self._finish(req)
-            got.append((req, tok))
+            elif req.request_id in batch.lookahead:  # lookahead blocks not needed: back
+                self.kv.trim(req, req.num_tokens)
+            got.append((req, toks))
         return got
 
     def _check_stop(self, req: Request, tok: int, length: int) -> None:

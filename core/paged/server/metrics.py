@@ -56,7 +56,21 @@ _ENGINE = {
         "KV blocks released early because they fell out of a sliding window",
         1,
     ),
+    "spec_decode_num_drafts": (
+        "paged:spec_decode_num_drafts",
+        "speculative decoding: verifications (a request's proposals in one step)",
+        1,
+    ),
+    "spec_decode_num_draft_tokens": (
+        "paged:spec_decode_num_draft_tokens", "speculative decoding: tokens proposed", 1,
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "paged:spec_decode_num_accepted_tokens", "speculative decoding: proposals accepted", 1,
+    ),
 }
+
+
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos_"
 
 
 class _EngineCollector(Collector):
@@ -76,6 +90,18 @@ class _EngineCollector(Collector):
             cls = CounterMetricFamily if counter else GaugeMetricFamily
             fam = cls(name, help, labels=["model_name"])
             fam.add_metric([self.model_name], float(stats.get(key, 0)))
+            yield fam
+        per_pos = sorted(  # spec_decode_num_accepted_tokens_per_pos_<i>: one series each
+            (int(k.rsplit("_", 1)[1]), v) for k, v in stats.items() if k.startswith(_PER_POS)
+        )
+        if per_pos:
+            fam = CounterMetricFamily(
+                "paged:spec_decode_num_accepted_tokens_per_pos",
+                "speculative decoding: proposals accepted at each position",
+                labels=["model_name", "position"],
+            )
+            for i, v in per_pos:
+                fam.add_metric([self.model_name, str(i)], float(v))
             yield fam
         if self.replicas:
             yield from self._per_replica(self.replicas)

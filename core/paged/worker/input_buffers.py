@@ -88,6 +88,13 @@ class InputBuffers:
         totals = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
         pools = np.fromiter((r.params.pooling is not None for r in reqs), dtype=bool, count=b)
         last = (ends - 1)[(seq >= totals) & ~pools]  # embedding requests sample nothing
+        if batch.spec:  # a verifying request: logits at its last token and each proposal
+            owner = np.searchsorted(ends - 1, last).tolist()  # the request of each row
+            k = np.array([len(batch.spec.get(reqs[i].request_id, ())) for i in owner], np.int64)
+            first = np.cumsum(k + 1) - (k + 1)
+            last = np.repeat(last - k, k + 1) + np.arange(int(k.sum()) + len(k)) - np.repeat(
+                first, k + 1
+            )
         prompt_rows = [  # prompt_logprobs: the rows before the last prompt token's
             np.arange(e - n, e - n + max(0, min(n, r.num_prompt_tokens - 1 - s)))
             for r, s, n, e in zip(reqs, starts.tolist(), batch.num_new, ends.tolist())
@@ -105,7 +112,10 @@ class InputBuffers:
         n64 = self.i64.numpy()
         off, fills = 0, []
         for r, s, n in zip(reqs, starts.tolist(), batch.num_new):
-            n64[off : off + n] = r.token_ids[s : s + n]
+            toks = r.token_ids[s : s + n]
+            if len(toks) < n:  # after a verifying request's last token: its proposals
+                toks = toks + batch.spec[r.request_id]
+            n64[off : off + n] = toks
             off += n
             if r.num_pending and s + n > r.num_tokens - r.num_pending:
                 # Only the newest token can be pending when a step is scheduled.

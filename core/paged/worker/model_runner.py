@@ -253,6 +253,14 @@ class ModelRunner:
             handle.prompt = prompt
             handle.prompt_host = self._host_copies(handle, prompt[1])
             return handle
+        if batch.spec:  # speculative decoding: verify the proposals (rows 1 + k each)
+            from paged.spec_decode.verify import launch_verify
+
+            mask = batch.token_bitmask
+            handle = launch_verify(self, batch, reqs, logits, mask() if callable(mask) else mask)
+            handle.prompt = prompt
+            handle.prompt_host = self._host_copies(handle, prompt[1] if prompt else [])
+            return handle
         if batch.forks:  # forked sequences sample from their leader's row
             logits, reqs = fork_rows(logits, reqs, batch.forks)
         want = [r.params.logprobs for r in reqs]

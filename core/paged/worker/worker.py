@@ -103,6 +103,12 @@ class Worker:
         self.runner = ModelRunner(
             config, self.platform, self.hf_config, config.max_model_len, weights, self.source
         )
+        self.draft = None  # speculative decoding's draft model (the driver's, one rank)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from paged.spec_decode.draft import build_draft_runner
+
+            self.draft = build_draft_runner(config, self.platform, self.hf_config, self.source)
         log.debug("rank %d: model ready in %.1f s", rank, time.perf_counter() - t0)
 
     def num_blocks(self) -> int:
@@ -114,7 +120,10 @@ class Worker:
         if cfg.num_kv_blocks is not None:
             blocks = cfg.num_kv_blocks
         else:
-            blocks = self.platform.kv_cache_budget(cfg) // self.runner.bytes_per_block()
+            per_block = self.runner.bytes_per_block()
+            if self.draft is not None:  # the draft's cache has as many blocks
+                per_block += self.draft.bytes_per_block()
+            blocks = self.platform.kv_cache_budget(cfg) // per_block
         if cfg.world_size > 1:
             blocks = all_reduce_min_host(blocks)
         need = -(-cfg.max_model_len // cfg.block_size)
@@ -133,6 +142,9 @@ class Worker:
     def init_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.step_runner.capture()
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
+            self.draft.step_runner.capture()
 
     def shutdown(self) -> None:
         """The driver: tell the other ranks to stop (the executor then ends the group)."""

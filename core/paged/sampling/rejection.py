@@ -1,0 +1,91 @@
+"""Verification of speculative proposals against the target model's distributions.
+
+Each request b has num_draft[b] <= K proposals; its target rows are j = 0..num_draft[b]
+(row j: the distribution of the token after proposal j). Output: the accepted proposals and
+one more token (the first mismatch's replacement, or the bonus token after all of them),
+padded to K + 1, and how many of them are real (accepted + 1).
+
+Greedy: accept while the target's argmax equals the proposal; the argmax at the first mismatch
+(or after the last proposal) follows. Exact: the tokens plain greedy decoding would produce.
+
+Random: proposal x at row j is accepted with probability min(1, p(x) / q(x)); at the first
+rejection the token is drawn from norm(max(0, p - q)); after all acceptances from p. With q a
+point mass (n-gram proposals, greedy drafts) that is: accept with p(x), else draw from p
+without x. The output is distributed as p at every position (Leviathan et al., 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def padded_rows(num_draft: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, K + 1] row index into the flat target rows (request b's rows are consecutive,
+    num_draft[b] + 1 of them); positions past a request's last row repeat its last."""
+    counts = num_draft + 1
+    starts = torch.cumsum(counts, 0) - counts
+    j = torch.arange(k + 1, device=num_draft.device)[None, :]
+    return starts[:, None] + torch.minimum(j, num_draft[:, None])
+
+
+def greedy_verify(
+    argmax: torch.Tensor, draft: torch.Tensor, num_draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`argmax` [R] the target's argmax per flat row, `draft` [B, K] (padded), `num_draft` [B].
+    Returns (tokens [B, K + 1], count [B])."""
+    b, k = draft.shape
+    target = argmax[padded_rows(num_draft, k)]  # [B, K + 1]
+    valid = torch.arange(k, device=draft.device)[None, :] < num_draft[:, None]
+    ok = (target[:, :k] == draft) & valid
+    accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)  # [B]
+    tokens = torch.cat([draft, draft[:, :1]], dim=1).clone()
+    tokens.scatter_(1, accepted[:, None], target.gather(1, accepted[:, None]))
+    return tokens, accepted + 1
+
+
+def rejection_verify(
+    probs: torch.Tensor,
+    draft: torch.Tensor,
+    num_draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`probs` [R, V] the target's normalised sampling distribution per flat row, `draft`
+    [B, K] (padded), `num_draft` [B], `draft_probs` [B, K, V] the proposals' distributions
+    (None: point masses at `draft`), `generators`: per request, a seeded generator or None
+    (torch's default). Returns (tokens [B, K + 1], count [B])."""
+    b, k = draft.shape
+    dev = probs.device
+    rows = padded_rows(num_draft, k)  # [B, K + 1]
+    p_x = probs[rows[:, :k], draft]  # target probability of each proposal [B, K]
+    q_x = (
+        torch.ones_like(p_x)
+        if draft_probs is None
+        else draft_probs.gather(2, draft[..., None]).squeeze(2)
+    )
+    uniform = torch.empty(b, k, device=dev, dtype=probs.dtype)
+    noise = torch.empty(b, probs.shape[1], device=dev, dtype=probs.dtype)
+    uniform.uniform_()
+    noise.exponential_()
+    for i, gen in enumerate(generators):  # seeded requests draw from their own generator
+        if gen is not None:
+            uniform[i].uniform_(generator=gen)
+            noise[i].exponential_(generator=gen)
+    valid = torch.arange(k, device=dev)[None, :] < num_draft[:, None]
+    ok = (uniform * q_x < p_x) & valid  # u < p / q
+    accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)  # [B]
+    p = probs[rows.gather(1, accepted[:, None]).squeeze(1)]  # [B, V] at the stop position
+    rejected = accepted < num_draft
+    if draft_probs is None:
+        q = torch.zeros_like(p)
+        x = draft.gather(1, accepted.clamp(max=k - 1)[:, None])
+        q.scatter_(1, x, 1.0)
+    else:
+        q = draft_probs[torch.arange(b, device=dev), accepted.clamp(max=k - 1)]
+    q = q * rejected[:, None]  # after all proposals were accepted: p itself
+    resid = (p - q).clamp_min(0)
+    resid = torch.where(resid.sum(1, keepdim=True) > 0, resid, p)  # p == q: never rejected
+    last = (resid / noise).argmax(1)  # exponential race: a draw from norm(resid)
+    tokens = torch.cat([draft, draft[:, :1]], dim=1).clone()
+    tokens.scatter_(1, accepted[:, None], last[:, None])
+    return tokens, accepted + 1

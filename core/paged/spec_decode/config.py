@@ -1,0 +1,86 @@
+"""--speculative-config: vLLM's spelling, parsed and checked once (a JSON string or a dict)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Methods that need a checkpoint's own heads (EAGLE, EAGLE-3, MTP, Medusa): not implemented.
+_HEADS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp")
+_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "draft_tensor_parallel_size",
+    "revision",
+    "quantization",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int  # K: proposals verified per step and request
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up in the earlier tokens
+    prompt_lookup_min: int = 1  # ngram: shortest
+    model: str | None = None  # draft_model: the draft's directory, .gguf file or Hub id
+    revision: str | None = None  # draft_model: Hub revision
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a JSON string or dict (None, "" or {}: off). Raises
+        ValueError naming the key at fault."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: must be a JSON object")
+        if not value:
+            return None
+        unknown = sorted(set(value) - _KEYS)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(_KEYS))})"
+            )
+        method = value.get("method")
+        if method is None:
+            method = "draft_model" if value.get("model") else None
+        if method in _HEADS:
+            raise ValueError(
+                f"speculative_config.method: {method!r} (draft heads from a checkpoint) is not "
+                "supported yet; use 'ngram' or a draft model ('draft_model' with 'model')"
+            )
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(
+                f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}"
+            )
+        if value.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
+        if value.get("quantization") is not None:
+            raise ValueError("speculative_config.quantization: not supported")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError("speculative_config.num_speculative_tokens: an integer in [1, 32]")
+        lo, hi = value.get("prompt_lookup_min", 1), value.get("prompt_lookup_max", 4)
+        model = value.get("model")
+        if method == "ngram":
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"speculative_config.{name}: a positive integer")
+            if lo > hi:
+                raise ValueError("speculative_config.prompt_lookup_min: must not exceed max")
+            if model is not None:
+                raise ValueError("speculative_config.model: not used by method 'ngram'")
+        elif not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model: the draft model's path or Hub id")
+        return cls(method, k, hi, lo, model, value.get("revision"))

@@ -1,0 +1,166 @@
+"""The driver's half of a speculative step: the target's logits rows of each request that
+verifies proposals (its last accepted token and each proposal: 1 + k rows) -> accepted tokens.
+
+Requests of the step without proposals sample as in any step (bitmask, penalties and all);
+the verifying ones are greedy (exact) or random (rejection sampling), their rows processed as
+the sampler processes a row: logit bias, temperature, top-k, top-p, min-p. Logprobs come from
+each row's raw logits (with the bias), as in plain steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged.sampling.rejection import greedy_verify, padded_rows, rejection_verify
+from paged.sampling.sampler import (
+    SamplingBatch,
+    _top_k_top_p,
+    bitmask_rows,
+    build_sampling_batch,
+    sample,
+)
+from paged.worker.model_runner import StepHandle
+
+
+def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The normalised distribution `sample` draws from, per row (random rows only)."""
+    scaled = logits / sb.temperature[:, None]
+    if sb.top_k is not None or sb.top_p is not None:
+        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
+    probs = scaled.softmax(dim=-1)
+    if sb.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * top, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+class _Group:
+    """Requests of a step verified together, and their device results."""
+
+    def __init__(self, idx: list[int], tokens: torch.Tensor, count: torch.Tensor, lps) -> None:
+        self.idx, self.tokens, self.count, self.lps = idx, tokens, count, lps
+
+
+def _logprob_tensors(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int):
+    """(chosen [B, K+1], rank [B, K+1], top values, top ids [B, K+1, k]) from raw rows."""
+    lp = raw.log_softmax(-1)
+    chosen = lp[rows, tokens]
+    rank = (lp[rows] > chosen[..., None]).sum(-1) + 1
+    out = [chosen, rank]
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        out += [vals[rows], ids[rows]]
+    return out
+
+
+def _verify(runner, reqs: list, logits: torch.Tensor, drafts: list[list[int]]) -> tuple:
+    """Verify one group (all greedy or all random). `logits`: its flat rows (changed in place
+    by the logit bias). Returns (tokens [B, K+1], count [B], logprob tensors or None)."""
+    dev = logits.device
+    expanded = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
+    sb = build_sampling_batch(expanded, dev, runner.vocab_size, runner.generators)
+    for i, bias in sb.logit_bias:
+        ids = torch.tensor(list(bias.keys()), device=dev)
+        vals = torch.tensor(list(bias.values()), device=dev, dtype=logits.dtype)
+        logits[i].index_add_(0, ids, vals)
+    k = max(len(d) for d in drafts)
+    draft = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64)
+    num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
+    draft, num_draft = draft.to(dev), num_draft.to(dev)
+    if sb.all_greedy:
+        tokens, count = greedy_verify(logits.argmax(-1), draft, num_draft)
+    else:
+        firsts, row = [], 0
+        for d in drafts:
+            firsts.append(sb.generators.get(row))
+            row += len(d) + 1
+        tokens, count = rejection_verify(target_probs(logits, sb), draft, num_draft, None, firsts)
+    want = [r.params.logprobs for r in reqs]
+    lps = None
+    if any(w is not None for w in want):
+        top = max(w or 0 for w in want)
+        lps = _logprob_tensors(logits, padded_rows(num_draft, k), tokens, top)
+    return tokens, count, lps
+
+
+def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> StepHandle:
+    """Sample the plain rows and verify the proposals of a step with `batch.spec`. `logits`:
+    the sampling rows in `reqs` order (1 + k rows for a request with k proposals)."""
+    dev = logits.device
+    counts = [1 + len(batch.spec.get(r.request_id, ())) for r in reqs]
+    starts, at = [], 0
+    for c in counts:
+        starts.append(at)
+        at += c
+    groups: list[_Group] = []
+    plain = [i for i, r in enumerate(reqs) if r.request_id not in batch.spec]
+    if plain:
+        sub = [reqs[i] for i in plain]
+        rows = logits[torch.tensor([starts[i] for i in plain], device=dev)]
+        sb = build_sampling_batch(sub, dev, runner.vocab_size, runner.generators)
+        if mask is not None:
+            sb.bitmask = bitmask_rows(mask, sub, dev)
+        tok = sample(rows, sb)
+        want = [r.params.logprobs for r in sub]
+        lps = None
+        if any(w is not None for w in want):
+            top = max(w or 0 for w in want)
+            lps = _logprob_tensors(rows, torch.arange(len(sub), device=dev)[:, None],
+                                   tok[:, None], top)  # fmt: skip
+        ones = torch.ones(len(sub), dtype=torch.int64, device=dev)
+        groups.append(_Group(plain, tok[:, None], ones, lps))
+    for greedy in (True, False):
+        idx = [
+            i
+            for i, r in enumerate(reqs)
+            if r.request_id in batch.spec and r.params.greedy == greedy
+        ]
+        if not idx:
+            continue
+        flat = torch.tensor(
+            [starts[i] + j for i in idx for j in range(counts[i])], dtype=torch.int64
+        )
+        drafts = [list(batch.spec[reqs[i].request_id]) for i in idx]
+        sub = [reqs[i] for i in idx]
+        tokens, count, lps = _verify(runner, sub, logits[flat.to(dev)], drafts)
+        groups.append(_Group(idx, tokens, count, lps))
+    return SpecStepHandle(reqs, groups)
+
+
+class SpecStepHandle(StepHandle):
+    """A verification step's results: per request the accepted proposals and one more token
+    (1 + accepted in all). result() gives the first token of each, as any StepHandle;
+    `extra` the rest: {request id: (tokens, logprob entries, ranks)}."""
+
+    def __init__(self, reqs: list, groups: list[_Group]) -> None:
+        super().__init__(reqs, None, [r.params.logprobs for r in reqs], None)
+        self.groups = groups
+        self.extra: dict[str, tuple[list[int], list[dict[int, float]], list[int]]] = {}
+
+    def result(self) -> tuple[list[int], dict[str, dict[int, float]]]:
+        if self._result is not None:
+            return self._result
+        first = [0] * len(self.reqs)
+        logprobs: dict[str, dict[int, float]] = {}
+        for g in self.groups:
+            tokens, count = g.tokens.tolist(), g.count.tolist()
+            lps = [t.tolist() for t in g.lps] if g.lps is not None else None
+            for b, i in enumerate(g.idx):
+                req, n = self.reqs[i], count[b]
+                toks = tokens[b][:n]
+                w = req.params.logprobs
+                entries, ranks = [], []
+                if w is not None and lps is not None:
+                    for j, t in enumerate(toks):
+                        entry = {t: lps[0][b][j]}
+                        for v, tid in zip(lps[2][b][j][:w], lps[3][b][j][:w]) if w else ():
+                            entry.setdefault(tid, v)
+                        entries.append(entry)
+                        ranks.append(lps[1][b][j])
+                    logprobs[req.request_id] = entries[0]
+                    self.ranks[req.request_id] = ranks[0]
+                first[i] = toks[0]
+                if n > 1:
+                    self.extra[req.request_id] = (toks[1:], entries[1:], ranks[1:])
+        self._result = first, logprobs
+        return self._result

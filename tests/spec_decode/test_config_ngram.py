@@ -1,0 +1,79 @@
+"""--speculative-config parsing and refusals; n-gram prompt lookup."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged.config import EngineConfig
+from paged.spec_decode.config import SpeculativeConfig
+from paged.spec_decode.ngram import ngram_propose
+
+
+def test_parse_vllm_spellings():
+    s = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, '
+        '"prompt_lookup_min": 2}'
+    )
+    assert (s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min) == (
+        "ngram",
+        5,
+        3,
+        2,
+    )
+    d = SpeculativeConfig.parse({"model": "/x", "num_speculative_tokens": 2})
+    assert d.method == "draft_model" and d.model == "/x"
+    assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse("") is None
+    assert EngineConfig(speculative_config=d).speculative_config is d
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method"),
+        ({"method": "mtp", "num_speculative_tokens": 1}, "method"),
+        ({"method": "medusa2", "num_speculative_tokens": 1}, "method"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 5,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),  # fmt: skip
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ('{"method": ', "JSON"),
+    ],
+)
+def test_refusals_name_the_key(value, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(speculative_config=value)
+
+
+def test_refused_combinations():
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(speculative_config=ngram, async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(
+            speculative_config={"model": "x", "num_speculative_tokens": 2},
+            tensor_parallel_size=2,
+        )
+
+
+def test_ngram_lookup():
+    # the last 2 tokens (3, 4) occurred at 2..3, followed by 5, 6, 7
+    assert ngram_propose([1, 2, 3, 4, 5, 6, 7, 9, 3, 4], 3, 1, 2) == [5, 6, 7]
+    # the longest suffix wins over a more recent shorter match
+    toks = [8, 3, 4, 1, 1, 7, 4, 2, 8, 3, 4]
+    assert ngram_propose(toks, 2, 1, 3) == [1, 1]
+    # the most recent occurrence among equal lengths
+    assert ngram_propose([5, 1, 5, 2, 5], 1, 1, 1) == [2]
+    # proposals stop at the end of the sequence
+    assert ngram_propose([4, 4, 4], 5, 1, 2) == [4]
+    assert ngram_propose([1, 2, 3], 3, 1, 3) == []
+    assert ngram_propose([1, 2, 3, 1], 3, 2, 3) == []  # only 1-grams match: below the minimum
