@@ -164,6 +164,19 @@ def test_stats_line():
     )
 
 
+def test_exporter_protocols(monkeypatch):
+    """gRPC by default (as vLLM), OTLP/HTTP by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL."""
+    from paged.server.tracing import span_exporter
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    assert "grpc" in type(span_exporter("localhost:4317")).__module__
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert "http" in type(span_exporter("http://localhost:4318/v1/traces")).__module__
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(ValueError, match="not grpc or http/protobuf"):
+        span_exporter("localhost:4317")
+
+
 def test_span_attributes():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
