@@ -267,17 +267,6 @@ class KVCacheManager:
             self.free[bid] = blk
         del req.block_ids[keep:]
 
-    def trim(self, req: Request, num_tokens: int) -> None:
-        """Give back the blocks past `req`'s first `num_tokens` tokens (speculative lookahead
-        slots a step did not fill with accepted tokens; never registered, never shared)."""
-        keep = self.blocks_needed(num_tokens)
-        for bid in reversed(req.block_ids[keep:]):
-            blk = self.blocks[bid]
-            blk.ref_cnt -= 1
-            assert blk.ref_cnt == 0 and blk.hash is None, f"block {bid} trimmed while shared"
-            self.free[bid] = blk
-        del req.block_ids[keep:]
-
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:
             blk.hash = blk.token_ids = None
