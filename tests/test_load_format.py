@@ -94,3 +94,24 @@ def test_paged_models_lists_builtins_and_plugins(capsys):
     assert rows["AcmeForCausalLM"]["provider"] == "acme-models"
     assert rows["AcmeForCausalLM"]["load_formats"] == ["safetensors", "dummy"]
     assert "AcmeForCausalLM" in table and "Qwen2ForCausalLM" in table
+
+
+def test_dummy_generates_without_a_head_tensor(tiny_models, tmp_path):
+    """The benchmarks' shape directories: config.json (untied head) and an empty
+    model.safetensors. With dummy weights the head is drawn too: the model generates (it is
+    not taken for a headless embedding checkpoint)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from paged import LLM, SamplingParams
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    cfg = json.loads(Path(tiny_models["llama"], "config.json").read_text())
+    (shape / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": False}))
+    save_file({}, str(shape / "model.safetensors"))
+    llm = LLM(str(shape), load_format="dummy", dtype="float32", max_model_len=64,
+              kv_cache_memory="4MiB")  # fmt: skip
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -60,7 +60,8 @@ class EngineCore:
         if config.speculative_config is not None:  # verification steps are not overlapped
             self.config = config = dataclasses.replace(config, async_scheduling=False)
         # --runner: a pooling model is built without its LM head (docs/models.md, Embeddings)
-        runner = resolve_runner(config.runner, self.hf_config, self.source)
+        weights = None if config.load_format == "dummy" else self.source  # dummy: drawn, head too
+        runner = resolve_runner(config.runner, self.hf_config, weights)
         if runner == "pooling" and config.pipeline_parallel_size > 1:
             raise ValueError("runner pooling: not supported with pipeline_parallel_size > 1")
         self.config = config = dataclasses.replace(config, runner=runner)
