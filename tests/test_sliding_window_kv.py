@@ -117,6 +117,35 @@ def test_matches_hf_and_releases_blocks(mistral, expected, kw):
         llm.engine.shutdown()
 
 
+def test_mixtral_window_releases_blocks(tmp_path):
+    """Mixture-of-experts layers under the same window: released, equal to HF."""
+    import transformers as tf
+
+    cfg = tf.MixtralConfig(**{**BASE, "intermediate_size": 48}, num_local_experts=4,
+                           num_experts_per_tok=2, sliding_window=12)  # fmt: skip
+    torch.manual_seed(1)
+    hf = tf.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path / "mixtral")
+    prompts = [list(range(5, 47)), list(range(100, 150))]
+    expect = [hf_greedy(hf, p, 10) for p in prompts]
+    llm = LLM(str(tmp_path / "mixtral"), dtype="float32", block_size=4, max_num_batched_tokens=16,
+              num_kv_blocks=32, max_model_len=128)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expect
+        kv = llm.engine.kv
+        assert kv.window == 12 and kv.num_window_released > 0
+        kv.check_invariants([])
+        assert kv.num_free_blocks == kv.num_usable_blocks
+    finally:
+        llm.engine.shutdown()
+
+
 def test_global_layer_keeps_every_block(tmp_path):
     """Qwen2 with one global layer: no release (per-layer groups are not implemented)."""
     path = make_model("qwen2_sliding", str(tmp_path / "qwen2"))
