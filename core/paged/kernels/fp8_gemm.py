@@ -3,10 +3,12 @@ operands accumulating in float32, scaled by the token's scale and the weight's p
 per-block scales (paged.quantization.reference.fp8_linear is the arithmetic).
 
 `quantize_fp8_rows` is one program per row (the row's absmax, then the scaled cast);
-`fp8_linear` runs it and `_fp8_gemm`: a BLOCK_M x BLOCK_N tile of the output per program,
-stepping over K by BLOCK_K. With per-channel weight scales (one group) the scales multiply the
-finished accumulator; with block scales (DeepSeek/Qwen FP8 checkpoints: 128 columns a group)
-each K step's partial product is scaled by its group's weight scale.
+`fp8_linear` runs it and, for up to 4 rows (decode), `_fp8_gemv` (BLOCK_N outputs of one row
+per program, reduced on the vector units), else `_fp8_gemm`: a BLOCK_M x BLOCK_N tile of the
+output per program on the tensor cores, stepping over K by BLOCK_K. With per-channel weight
+scales (one group) the scales multiply the finished accumulator; with block scales
+(DeepSeek/Qwen FP8 checkpoints: 128 columns a group) each K step's partial product is scaled
+by its group's weight scale.
 """
 
 from __future__ import annotations
@@ -111,6 +113,40 @@ def _fp8_gemm(
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _fp8_gemv(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, N, K, G, group_k, stride_am, stride_bn,
+    stride_cm, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Few rows: one row's BLOCK_N outputs per program, products summed on the vector units."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols64[:, None] * stride_bn + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        part = tl.sum(b * a[None, :], axis=1)
+        if GROUPED:
+            part = part * tl.load(bs_ptr + cols64 * G + k0 // group_k, mask=col_ok, other=0.0)
+        acc += part
+    acc = acc * tl.load(as_ptr + row)
+    if not GROUPED:
+        acc = acc * tl.load(bs_ptr + cols64 * G, mask=col_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=col_ok)
+
+
+GEMV_MAX_ROWS = 4
+
+
 def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, int, int]:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
     block_n = 32 if m <= 16 else 64 if m <= 64 else 128
@@ -139,10 +175,20 @@ def fp8_gemm(
     grouped = groups > 1
     if grouped and (group_k & (group_k - 1) or group_k < 16):
         raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
+    b = bias if bias is not None else c
+    if m <= GEMV_MAX_ROWS:
+        bk = min(256, max(16, triton.next_power_of_2(k)))
+        bk = min(bk, group_k) if grouped else bk
+        _fp8_gemv[(triton.cdiv(n, 32), m)](
+            a, a_scale, weight, scale, b, c, n, k, groups, group_k, a.stride(0),
+            weight.stride(0), c.stride(0), HAS_BIAS=bias is not None, GROUPED=grouped,
+            BLOCK_N=32, BLOCK_K=bk, num_warps=4,
+        )  # fmt: skip
+        return c
     bm, bn, bk = _tiles(m, n, k, group_k, grouped)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_gemm[grid](
-        a, a_scale, weight, scale, bias if bias is not None else c, c, m, n, k, groups,
+        a, a_scale, weight, scale, b, c, m, n, k, groups,
         group_k, a.stride(0), weight.stride(0), c.stride(0),
         HAS_BIAS=bias is not None, GROUPED=grouped,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4 if bm * bn <= 64 * 64 else 8,

@@ -4,9 +4,10 @@ rounded to the activation dtype as the torch reference does, and multiplied.
 
 Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8), scales float32 and zeros
 uint8 [N, K/group]: one output channel's codes are contiguous, so a GEMV program streams its
-rows. Few rows (decode): `_int4_gemv`, a BLOCK_N x BLOCK_K tile of weights times the row's
-inputs, reduced over K on the vector units. More rows: `_int4_gemm`, a tiled GEMM that
-dequantizes one [BLOCK_K, BLOCK_N] weight tile per K step for tl.dot.
+rows, one word split into its 8 nibbles in registers; a K step stays inside one group (one
+scale and zero per column). Few rows (decode): `_int4_gemv`, a BLOCK_N x BLOCK_K tile of
+weights times the row's inputs, reduced over K on the vector units. More rows: `_int4_gemm`,
+a tiled GEMM that dequantizes one weight tile per K step for tl.dot.
 """
 
 from __future__ import annotations
@@ -19,16 +20,20 @@ GEMV_MAX_ROWS = 4
 
 
 @triton.jit
-def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, ks, k_ok, G, KW, group_k,
-                  dtype: tl.constexpr):  # fmt: skip
-    """[BLOCK_K, BLOCK_N] weights (rounded to `dtype`) of columns `cols`, inputs `ks`."""
-    mask = k_ok[:, None] & col_ok[None, :]
-    words = tl.load(codes_ptr + cols64[None, :] * KW + (ks // 8)[:, None], mask=mask, other=0)
-    q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
-    g = ks // group_k
-    s = tl.load(scales_ptr + cols64[None, :] * G + g[:, None], mask=mask, other=0.0)
-    z = tl.load(zeros_ptr + cols64[None, :] * G + g[:, None], mask=mask, other=0)
-    return ((q - z.to(tl.int32)).to(tl.float32) * s).to(dtype)
+def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW, group_k,
+                  dtype: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] weights (rounded to `dtype`) of columns `cols`, inputs
+    k0 .. k0 + BLOCK_K: each int32 word loaded once and split into its 8 nibbles; the tile
+    lies in one group (BLOCK_K divides group_k), so one scale and zero per column."""
+    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = col_ok[:, None] & (words_k < KW)[None, :]
+    words = tl.load(codes_ptr + cols64[:, None] * KW + words_k[None, :], mask=mask, other=0)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    q = tl.reshape(q, (q.shape[0], BLOCK_K))
+    g = k0 // group_k
+    s = tl.load(scales_ptr + cols64 * G + g, mask=col_ok, other=0.0)
+    z = tl.load(zeros_ptr + cols64 * G + g, mask=col_ok, other=0).to(tl.int32)
+    return ((q - z[:, None]).to(tl.float32) * s[:, None]).to(dtype)
 
 
 @triton.jit
@@ -46,11 +51,10 @@ def _int4_gemv(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + row * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, ks, k_ok, G, KW,
-                          group_k, y_ptr.dtype.element_ty)  # fmt: skip
-        acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
+        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW, group_k,
+                          y_ptr.dtype.element_ty, BLOCK_K)  # fmt: skip
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=col_ok)
@@ -73,11 +77,10 @@ def _int4_gemm(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
         a = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, ks, k_ok, G, KW,
-                          group_k, y_ptr.dtype.element_ty)  # fmt: skip
+                    mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
+        w = tl.trans(_dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW,
+                                   group_k, y_ptr.dtype.element_ty, BLOCK_K))  # fmt: skip
         if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -106,11 +109,11 @@ def int4_linear(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*shape[:-1], n)
-    if group_k % 8 or group_k & (group_k - 1):
-        raise ValueError(f"int4: group of {group_k} columns is not a power of 2 >= 8")
+    if group_k < 16 or group_k & (group_k - 1):
+        raise ValueError(f"int4: group of {group_k} columns is not a power of 2 >= 16")
     b = bias if bias is not None else y
     if m <= GEMV_MAX_ROWS:
-        bn, bk = 64, min(group_k, 128, max(16, triton.next_power_of_2(k)))
+        bn, bk = 32, min(group_k, 128, max(16, triton.next_power_of_2(k)))
         _int4_gemv[(triton.cdiv(n, bn), m)](
             x2, codes, scales, zeros, b, y, n, k, groups, group_k, x2.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,

@@ -41,9 +41,9 @@ class Int4Method(QuantMethod):
     suffixes = frozenset({"qweight", "qzeros", "scales", "g_idx", "weight"})
 
     def __init__(self, name: str, group_size: int, zero_offset: int = 0) -> None:
-        if group_size < 8 or group_size & (group_size - 1):
+        if group_size < 16 or group_size & (group_size - 1):
             raise ValueError(f"quantization {name}: group_size {group_size} is not supported "
-                             "(a power of 2 >= 8, e.g. 128)")  # fmt: skip
+                             "(a power of 2 >= 16, e.g. 128)")  # fmt: skip
         self.name = name
         self.group_size = group_size
         self.zero_offset = zero_offset  # GPTQ v1 stores zero - 1
