@@ -52,7 +52,8 @@ def server(lora_model, adapters, tmp_path_factory):
     args = [sys.executable, "-m", "paged.server", lora_model, "--port", str(port),
             "--log-level", "warning", "--served-model-name", "base", "--dtype", "float32",
             "--kv-cache-memory", "16MiB", "--enable-lora", "--max-loras", "1",
-            "--max-lora-rank", "8", "--lora-modules", f"alpha={adapters['alpha']}"]  # fmt: skip
+            "--max-lora-rank", "8", "--lora-modules",
+            json.dumps({"name": "alpha", "path": adapters["alpha"]})]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log, "w") as f:
         proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env)

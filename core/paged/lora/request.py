@@ -38,7 +38,7 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
 
 def parse_lora_modules(items) -> list[dict[str, str]]:
     """--lora-modules: `name=path` strings, vLLM's JSON objects ({"name", "path",
-    "base_model_name"}) or dicts -> [{"name", "path"}], names unique."""
+    "base_model_name"}) or dicts -> [{"name", "path"[, "base_model_name"]}], names unique."""
     import json
 
     out: list[dict[str, str]] = []
@@ -64,5 +64,8 @@ def parse_lora_modules(items) -> list[dict[str, str]]:
             raise ValueError(f"lora_modules: {item!r}: both a name and a path are needed")
         if any(m["name"] == name for m in out):
             raise ValueError(f"lora_modules: the name {name!r} is given twice")
-        out.append({"name": name, "path": path})
+        entry = {"name": name, "path": path}
+        if isinstance(item, dict) and item.get("base_model_name"):  # /v1/models' parent
+            entry["base_model_name"] = str(item["base_model_name"])
+        out.append(entry)
     return out

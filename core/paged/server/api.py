@@ -282,7 +282,7 @@ async def _serve(
     loras = LoRAAdapters(config.enable_lora, config.max_lora_rank)
     for mod in config.lora_modules or []:  # read and checked before anything starts
         try:
-            loras.load(mod["name"], mod["path"], name)
+            loras.load(mod["name"], mod["path"], name, mod.get("base_model_name"))
         except APIError as e:
             log.error("cannot start: --lora-modules %s: %s", mod["name"], e.message)
             return 1

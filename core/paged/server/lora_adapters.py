@@ -45,9 +45,10 @@ class LoRAAdapters:
             msg = f"lora_name: the LoRA adapter {name!r} has already been loaded"
             raise APIError(400, msg, "lora_name")
 
-    def load(self, name: str, path: str, base_name: str) -> LoRARequest:
+    def load(self, name: str, path: str, base_name: str, parent: str | None = None) -> LoRARequest:
         """Read and check the adapter at `path` (blocking: call it off the event loop) and
-        register it as `name`; APIError 400 naming the field otherwise."""
+        register it as `name` (its /v1/models parent: `parent`, else the base model);
+        APIError 400 naming the field otherwise."""
         self.check_new(name, base_name)
         try:
             spec = read_spec(path, self.max_rank)
@@ -55,7 +56,7 @@ class LoRAAdapters:
             raise APIError(400, str(e) if str(e).startswith("lora_path") else f"lora_path: {e}",
                            "lora_path") from None  # fmt: skip
         self.check_new(name, base_name)  # loaded by another request meanwhile
-        lora = LoRARequest(name, next(self._ids), spec.path, base_name)
+        lora = LoRARequest(name, next(self._ids), spec.path, parent or base_name)
         self.by_name[name] = lora
         return lora
 
