@@ -160,6 +160,25 @@ def test_offline_llm_applies_the_model_defaults(model_dir):
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
+def test_run_batch_applies_the_model_defaults(model_dir, tmp_path):
+    """paged run-batch: a chat line without max_tokens stops at the model's max_new_tokens; a
+    body's own sampling fields win over the defaults."""
+    from paged.cli.batch_body import sampling_params
+    from paged.cli.main import main
+
+    p = sampling_params({"top_p": 0.5}, None, {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5})
+    assert (p.temperature, p.top_p, p.max_tokens) == (0.6, 0.5, 5)
+    assert sampling_params({}, 16, {"max_tokens": 5}).max_tokens == 16  # completions: 16
+    body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps(line) + "\n")
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "8MiB", "--dtype", "float32"]
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), str(model_dir), *flags]) == 0
+    usage = json.loads(dst.read_text())["response"]["body"]["usage"]
+    assert usage["completion_tokens"] == 5  # ignore_eos: exactly the model's max_new_tokens
+
+
 # ---- one live server with the HTTP flags -----------------------------------------------------
 
 

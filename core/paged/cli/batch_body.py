@@ -30,8 +30,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
-    kw: dict[str, Any] = {}
+def sampling_params(
+    body: dict, default_max_tokens: int | None, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
+    """`defaults`: {SamplingParams field: value} for fields the body leaves unset (the
+    generation config, paged.engine.generation_config); its max_tokens caps an unset one."""
+    defaults = defaults or {}
+    if default_max_tokens is None:
+        default_max_tokens = defaults.get("max_tokens")
+    kw: dict[str, Any] = {k: v for k, v in defaults.items() if k != "max_tokens"}
     for name in _FLOATS:
         v = body.get(name)
         if v is not None:

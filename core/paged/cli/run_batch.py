@@ -45,7 +45,8 @@ class Item:
     error: tuple[int, str] | None = None  # (status code, message)
 
 
-def parse_line(index: int, line: str) -> Item:
+def parse_line(index: int, line: str, defaults: dict[str, Any] | None = None) -> Item:
+    """`defaults`: the generation config's sampling defaults (--generation-config)."""
     item = Item(index)
     try:
         req = json.loads(line)
@@ -64,7 +65,7 @@ def parse_line(index: int, line: str) -> Item:
         else:
             item.inputs = completion_prompts(item.body)
         item.params = sampling_params(
-            item.body, default_max_tokens=16 if item.kind == "completion" else None
+            item.body, 16 if item.kind == "completion" else None, defaults
         )
     except json.JSONDecodeError as e:
         item.error = (400, f"line {index + 1} is not valid JSON: {e}")
@@ -178,6 +179,7 @@ def model_name(llm) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from paged.config import EngineConfig
+    from paged.engine.generation_config import generation_defaults
     from paged.engine.llm import LLM
 
     if args.input_file == "-":
@@ -186,10 +188,14 @@ def run(args: argparse.Namespace) -> int:
         with open(args.input_file, encoding="utf-8") as f:
             text = f.read()
     lines = [(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
-    items = [parse_line(i, ln) for i, ln in lines]
     config = EngineConfig.from_cli_args(args)
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     llm = LLM(config.model, **kwargs)
+    src = llm.engine.source
+    defaults = generation_defaults(
+        config.generation_config, src.path if src else None, config.override_generation_config
+    )
+    items = [parse_line(i, ln, defaults) for i, ln in lines]
     run_items(llm, items, model_name(llm))
     text = "".join(json.dumps(output_line(it), ensure_ascii=False) + "\n" for it in items)
     if args.output_file == "-":
