@@ -147,3 +147,33 @@ def test_dummy_weights(tiny_models):
     assert all(m.weight.float().abs().max() > 0 and (m.weight_scale > 0).all() for m in layers)
     out = llm.generate([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_fp8_block_checkpoint_tensor_parallel_shards(tiny_models, tmp_path):
+    """Two ranks (gloo) on a 32x32-block fp8 checkpoint: rank 0 (the driver, in this process)
+    holds exactly its slices of one rank's tensors: its heads' q/k/v rows and gate/up columns,
+    and of o_proj / down_proj its input columns with their blocks' scales."""
+    qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic",
+               "weight_block_size": [32, 32]}  # fmt: skip
+    rewrite(tiny_models["llama"], str(tmp_path / "q"), _block_quant(32), qconfig)
+    one = _llm(str(tmp_path / "q")).engine.runner.model.layers[1]
+    llm = _llm(str(tmp_path / "q"), tensor_parallel_size=2, max_model_len=128)
+    try:
+        two = llm.engine.runner.model.layers[1]
+        d, q, kv, inter = 16, 64, 32, 128  # head_dim, q rows, k/v rows, MLP columns
+        rows = {  # rank 0: query heads 0-1, KV head 0, the first half of the MLP
+            "qkv": torch.cat([torch.arange(2 * d), q + torch.arange(d), q + kv + torch.arange(d)]),
+            "gate_up": torch.cat([torch.arange(inter // 2), inter + torch.arange(inter // 2)]),
+        }  # fmt: skip
+        for name, a, b in (("qkv", one.self_attn.qkv_proj, two.self_attn.qkv_proj),
+                           ("gate_up", one.mlp.gate_up_proj, two.mlp.gate_up_proj)):  # fmt: skip
+            assert torch.equal(b.weight.float(), a.weight.float()[rows[name]])
+            assert torch.equal(b.weight_scale, a.weight_scale[rows[name]])
+        for a, b, cols in ((one.self_attn.o_proj, two.self_attn.o_proj, 2 * d),
+                           (one.mlp.down_proj, two.mlp.down_proj, inter // 2)):  # fmt: skip
+            assert torch.equal(b.weight.float(), a.weight.float()[:, :cols])
+            assert torch.equal(b.weight_scale, a.weight_scale[:, : cols // 32])
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.engine.shutdown()
