@@ -26,9 +26,11 @@ def test_align_sorts_pairs_by_expert_in_padded_blocks():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# decode-sized (16-row blocks, most experts hit once) and prefill-sized (64-row blocks)
+# per-pair GEMVs (<= GEMV_MAX_PAIRS pairs, a K not a multiple of the tile), 16-row blocks
+# (most experts hit once) and 64-row blocks
 @pytest.mark.parametrize("tokens, experts, top_k, hidden, inter",
-                         [(5, 4, 2, 32, 16), (3, 6, 3, 48, 24), (40, 4, 2, 32, 16)])  # fmt: skip
+                         [(1, 8, 2, 40, 24), (5, 4, 2, 32, 16), (3, 6, 3, 48, 24),
+                          (12, 16, 3, 32, 16), (40, 4, 2, 32, 16)])  # fmt: skip
 def test_fused_moe_matches_torch(device, dtype, tokens, experts, top_k, hidden, inter):
     g = torch.Generator().manual_seed(tokens * experts)
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)

@@ -6,6 +6,8 @@ BLOCK_M rows, and gives each block of BLOCK_M rows its expert; a program of `_gr
 multiplies one block's rows by one BLOCK_N slice of its expert's matrix. Every size is an upper
 bound known from T, k and E, so nothing waits for the device (CUDA graphs can capture it);
 blocks past the last expert's run exit at once. The k outputs of a token are summed last.
+Decode-sized steps (at most GEMV_MAX_PAIRS pairs) skip the sorting: a matrix-vector product per
+pair and BLOCK_N outputs, silu-and-mul fused into the first (fewer launches, more programs).
 """
 
 from __future__ import annotations
@@ -77,6 +79,70 @@ def _grouped_gemm(
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _pair_gemv(
+    a_ptr,  # [rows of A, K]: x (row = pair // TOP_K) or the activations (row = pair)
+    b_ptr,  # [E, N or 2N, K]: the experts' weights (GATED: gate rows, then up rows)
+    c_ptr,  # [T * top_k, N]: one output row per (token, choice) pair
+    w_ptr,  # [T * top_k]: routing weights (read when MUL_WEIGHT)
+    ids_ptr,  # [T * top_k]: the expert of each pair
+    N,
+    K,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Decode: one (token, choice) pair's BLOCK_N outputs of its expert, a matrix-vector
+    product (no sorting by expert). GATED: silu(gate) * up of the gate/up rows, fused."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    row = pair // TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    b_base = b_ptr + expert * stride_be
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
+        tile = b_base + cols[:, None] * stride_bn + ks[None, :]
+        ok = col_ok[:, None] & k_ok[None, :]
+        acc += tl.sum(tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :], axis=1)
+        if GATED:
+            up = tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32)
+            acc_up += tl.sum(up * a[None, :], axis=1)
+    dtype = c_ptr.dtype.element_ty
+    if GATED:  # rounded where HF's bf16 activations round: gate, up, silu(gate), product
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    if MUL_WEIGHT:  # HF rounds the expert's output to the model dtype before weighting it
+        acc = acc.to(dtype).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
+    tl.store(c_ptr + pair * stride_cm + cols, acc.to(dtype), mask=col_ok)
+
+
+def _gemv(a, b, c, weights, ids, top_k: int, gated: bool) -> None:
+    n = c.shape[1]
+    k = a.shape[1]
+    block_n = 16
+    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
+        a, b, c, weights, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, GATED=gated, MUL_WEIGHT=weights is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+
+
+GEMV_MAX_PAIRS = 32  # up to this many (token, choice) pairs: per-pair GEMVs, no sorting
+
+
 def align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,12 +197,19 @@ def fused_moe(
         return torch.zeros_like(x)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     n_pairs = num_tokens * top_k
-    block_m = 16 if n_pairs <= 4 * w13.shape[0] else 64  # decode: few rows per expert
+    weights = topk_weights.reshape(-1).contiguous()
+    if n_pairs <= GEMV_MAX_PAIRS:  # decode: each pair reads its expert's weights once
+        ids = topk_ids.reshape(-1).contiguous()
+        act = x.new_empty(n_pairs, w13.shape[1] // 2)
+        _gemv(x, w13, act, None, ids, top_k, gated=True)
+        down = x.new_empty(n_pairs, hidden)
+        _gemv(act, w2, down, weights, ids, 1, gated=False)
+        return down.view(num_tokens, top_k, hidden).sum(dim=1)
+    block_m = 16 if n_pairs <= 4 * w13.shape[0] else 64  # few rows per expert
     pairs, block_expert = align(topk_ids, w13.shape[0], block_m)
     gate_up = x.new_empty(n_pairs, w13.shape[1])
     _gemm(x, w13, gate_up, None, pairs, block_expert, top_k, block_m)
     act = silu_and_mul(gate_up)
     down = x.new_empty(n_pairs, hidden)
-    weights = topk_weights.reshape(-1).contiguous()
     _gemm(act, w2, down, weights, pairs, block_expert, 1, block_m)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
