@@ -50,7 +50,8 @@ def prompts(llm: LLM, n: int) -> list:
         ask = f"Repeat the following text exactly, but replace '{a}' with '{b}'.\n\n{text}"
         if tok is None:  # token ids only: a repeated random passage
             g = torch.Generator().manual_seed(i)
-            ids = torch.randint(10, 1000, (60,), generator=g).tolist()
+            vocab = llm.engine.vocab_size
+            ids = torch.randint(2, min(vocab, 1000), (60,), generator=g).tolist()
             out.append({"prompt_token_ids": ids * 3})
         elif getattr(tok, "chat_template", None):
             msgs = [{"role": "user", "content": ask}]
