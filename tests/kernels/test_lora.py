@@ -25,16 +25,18 @@ def batch_for(token_slot: list[int], slots: int, device) -> LoRABatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("token_slot", [[0, 1, -1, 0, 2, 1, -1], [-1, -1], [2] * 20 + [0] * 3])
-@pytest.mark.parametrize("k", [40, 1024])  # 1024: the shrink splits K over 4 programs
-def test_shrink_expand_match_reference(device, dtype, token_slot, k):
-    slots, rank, outs = 3, 8, [24, 8, 8]  # a qkv-like projection: three slices
+# K 1024: the shrink splits K over 4 programs. Slices [32, 16, 16] fall on 16-column blocks
+# (one expand launch for all); [24, 8, 8] do not (one launch per slice).
+@pytest.mark.parametrize("k, outs", [(40, [24, 8, 8]), (1024, [32, 16, 16]), (40, [48])])
+def test_shrink_expand_match_reference(device, dtype, token_slot, k, outs):
+    slots, rank = 3, 8
     g = torch.Generator().manual_seed(len(token_slot))
     t = len(token_slot)
     x = torch.randn(t, k, generator=g).to(device, dtype)
     a = (0.3 * torch.randn(slots, len(outs) * rank, k, generator=g) / (k / 40) ** 0.5).to(
         device, dtype
     )
-    bs = [(0.3 * torch.randn(slots, n, rank, generator=g)).to(device, dtype) for n in outs]
+    b = (0.3 * torch.randn(slots, sum(outs), rank, generator=g)).to(device, dtype)
     y0 = torch.randn(t, sum(outs), generator=g).to(device, dtype)
     meta = batch_for(token_slot, slots, device)
 
@@ -42,20 +44,18 @@ def test_shrink_expand_match_reference(device, dtype, token_slot, k):
     want_xa = ops.lora_shrink(x, a, meta)
     assert torch.allclose(xa.float(), want_xa.float(), rtol=TOL[dtype], atol=TOL[dtype])
     got, want = y0.clone(), y0.clone()
-    off = 0
-    for j, (n, b) in enumerate(zip(outs, bs)):
-        lora_expand(got[:, off : off + n], xa, b, j * rank, meta)
-        ops.lora_expand(want[:, off : off + n], want_xa, b, j * rank, meta)
-        off += n
+    lora_expand(got, xa, b, outs, meta)
+    ops.lora_expand(want, want_xa, b, outs, meta)
     assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype], atol=2 * TOL[dtype])
-    # per token, in float32: y + sum_j x A_j^T B_j^T for tokens with a slot, y otherwise
+    # per token, in float32: y + x A_j^T B_j^T per slice for tokens with a slot, y otherwise
     ref = y0.float().clone()
+    bounds = [sum(outs[:j]) for j in range(len(outs) + 1)]
     for i, s in enumerate(token_slot):
         if s < 0:
             continue
         xa_i = x[i].float() @ a[s].float().T
-        ref[i] += torch.cat([xa_i[j * rank : (j + 1) * rank] @ b[s].float().T
-                             for j, b in enumerate(bs)])  # fmt: skip
+        bs = [b[s, bounds[j] : bounds[j + 1]].float() for j in range(len(outs))]
+        ref[i] += torch.cat([xa_i[j * rank : (j + 1) * rank] @ bj.T for j, bj in enumerate(bs)])
     assert torch.allclose(got.float(), ref, rtol=TOL[dtype], atol=4 * TOL[dtype])
     untouched = [i for i, s in enumerate(token_slot) if s < 0]
     assert torch.equal(got[untouched], y0[untouched])

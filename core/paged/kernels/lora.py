@@ -3,7 +3,8 @@ device slot are listed together (`LoRABatch`: token indices grouped by slot, and
 slot's run starts), and one kernel launch multiplies every slot's rows by that slot's matrix.
 
     shrink:  xa[t] = x[t] @ A[slot(t)]^T                 A [slots, N, K]   (N: slices x rank)
-    expand:  y[t, :] += xa[t, col:col+R] @ B[slot(t)]^T  B [slots, out, R] (scale folded in)
+    expand:  y[t, slice j] += xa[t, jR:(j+1)R] @ B_j[slot(t)]^T
+             B [slots, out, R]: the slices' rows stacked (scale folded in), one launch for all
 
 A program of `_lora_gemm` takes BLOCK_M rows of one slot's run and BLOCK_N output columns.
 The grid is fixed by the token count and the slot count, never by the step's lists, so
@@ -28,6 +29,9 @@ def _lora_gemm(
     N,
     K,
     x_col,
+    s1,  # expand: where slices 1 and 2 start among the output columns (N: no such slice)
+    s2,
+    r_stride,  # expand: xa columns per slice (the rank R); slice j reads from x_col + j R
     stride_xm,
     stride_ws,
     stride_wn,
@@ -52,15 +56,18 @@ def _lora_gemm(
     rows = row0 + tl.arange(0, BLOCK_M)
     valid = rows < hi
     tok = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = pid_n * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    # the slice of this column block (slice boundaries are multiples of BLOCK_N)
+    xc = x_col + ((col0 >= s1).to(tl.int32) + (col0 >= s2).to(tl.int32)) * r_stride
     w_base = w_ptr + slot.to(tl.int64) * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # this program's share of K
     for k0 in range(pid_k * k_len, tl.minimum(K, (pid_k + 1) * k_len), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        a = tl.load(x_ptr + tok[:, None] * stride_xm + x_col + ks[None, :],
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + xc + ks[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
@@ -83,19 +90,32 @@ def _lora_gemm(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, w, y, meta, x_col: int, k: int, add: bool, split_k: int = 1) -> None:
+def _launch(
+    x,
+    w,
+    y,
+    meta,
+    x_col: int,
+    k: int,
+    add: bool,
+    split_k: int = 1,
+    slices: tuple[int, int, int] | None = None,
+    block_n: int | None = None,
+) -> None:
+    """slices: (s1, s2, R) of an expand over stacked slices (None: one slice)."""
     t = x.shape[0]
     slots, n = w.shape[0], w.shape[1]
     if t == 0 or n == 0:
         return
     assert x.stride(1) == 1 and w.stride(2) == 1 and y.stride(1) == 1
+    s1, s2, r_stride = slices or (n, n, 0)
     block_m = 16 if t <= 512 else 64
-    block_n = min(128 if n >= 4096 else 64, max(16, triton.next_power_of_2(n)))
+    block_n = block_n or _block_n(n)
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     cpu = x.device.type == "cpu"  # the interpreter
     grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n) * split_k, slots)
     _lora_gemm[grid](
-        x, w, y, meta.token_ids, meta.starts, n, k, x_col,
+        x, w, y, meta.token_ids, meta.starts, n, k, x_col, s1, s2, r_stride,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         ADD=add, SPLIT_K=split_k, IEEE=w.dtype == torch.float32 or cpu,
         UPCAST=cpu and (x.dtype != torch.float32 or w.dtype != torch.float32),
@@ -114,7 +134,27 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
     return out
 
 
-def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, col: int, meta) -> None:
-    """paged.model.ops.lora_expand on the device: y [T, out] += xa[:, col:col+R] @ B[slot]^T
-    in place, b [slots, out, R]."""
-    _launch(xa, b, y, meta, col, b.shape[2], add=True)
+def _block_n(n: int) -> int:
+    return min(128 if n >= 4096 else 64, max(16, triton.next_power_of_2(n)))
+
+
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, sizes: list[int],
+                meta) -> None:  # fmt: skip
+    """paged.model.ops.lora_expand on the device: for each slice j of `sizes` (rows of y's
+    columns and of b), y[:, slice j] += xa[:, jR:(j+1)R] @ B[slot, slice j]^T in place;
+    b [slots, sum(sizes), R]. One launch when the slice boundaries fall on column blocks
+    (every Llama-shaped projection), else one per slice."""
+    r = b.shape[2]
+    bounds = [sum(sizes[: j + 1]) for j in range(len(sizes) - 1)]
+    if len(sizes) <= 3:
+        block = _block_n(b.shape[1])
+        while block > 16 and any(x % block for x in bounds):
+            block //= 2
+        if not any(x % block for x in bounds):
+            s1, s2 = (bounds + [b.shape[1]] * 2)[:2]
+            _launch(xa, b, y, meta, 0, r, add=True, slices=(s1, s2, r), block_n=block)
+            return
+    off = 0
+    for j, n in enumerate(sizes):
+        _launch(xa, b[:, off : off + n], y[:, off : off + n], meta, j * r, r, add=True)
+        off += n

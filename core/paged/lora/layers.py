@@ -2,10 +2,10 @@
 quantized one) plus the LoRA of every device slot, stacked.
 
 A stacked projection (qkv_proj: q, k, v; gate_up_proj: gate, up) has one slice per HF
-projection: A of all slices side by side [slots, slices x R, in] (one shrink), B per slice
-[slots, out_j, R] (one expand each, into that slice's columns). R is --max-lora-rank; an
-adapter of lower rank fills the first r rows/columns, the rest stay zero; B holds the
-adapter's scale (alpha / r) folded in.
+projection: A of all slices side by side [slots, slices x R, in] and B of all slices stacked
+[slots, out, R] (slice j's rows read the shrink's columns jR..(j+1)R): one shrink and one
+expand per projection. R is --max-lora-rank; an adapter of lower rank fills the first r
+rows/columns, the rest stay zero; B holds the adapter's scale (alpha / r) folded in.
 """
 
 from __future__ import annotations
@@ -54,12 +54,7 @@ class LoRALinear(nn.Module):
         # buffers, not parameters: no weight loader or dummy initialiser touches them
         self.register_buffer("lora_a", torch.zeros(max_loras, len(out_sizes) * rank,
                                                    in_features, **kw))  # fmt: skip
-        for j, n in enumerate(out_sizes):
-            self.register_buffer(f"lora_b{j}", torch.zeros(max_loras, n, rank, **kw))
-
-    @property
-    def lora_b(self) -> list[torch.Tensor]:
-        return [getattr(self, f"lora_b{j}") for j in range(len(self.out_sizes))]
+        self.register_buffer("lora_b", torch.zeros(max_loras, sum(out_sizes), rank, **kw))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -68,9 +63,7 @@ class LoRALinear(nn.Module):
         shape = y.shape
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, shape[-1])
         xa = ops.get("lora_shrink")(x2, self.lora_a, self.batch)
-        expand = ops.get("lora_expand")
-        for j, (off, n) in enumerate(zip(self.offsets, self.out_sizes)):
-            expand(y2[:, off : off + n], xa, self.lora_b[j], j * self.rank, self.batch)
+        ops.get("lora_expand")(y2, xa, self.lora_b, self.out_sizes, self.batch)
         return y
 
     @torch.no_grad()
@@ -78,9 +71,8 @@ class LoRALinear(nn.Module):
         """Load slot `slot`: {slice index: (A [r, in], B [out_j, r])}; slices not given stay
         zero (the adapter leaves that projection alone)."""
         self.lora_a[slot].zero_()
-        for b in self.lora_b:
-            b[slot].zero_()
+        self.lora_b[slot].zero_()
         for j, (a, b) in slices.items():
-            r = a.shape[0]
+            r, off = a.shape[0], self.offsets[j]
             self.lora_a[slot, j * self.rank : j * self.rank + r].copy_(a)
-            self.lora_b[j][slot, :, :r].copy_(b)
+            self.lora_b[slot, off : off + self.out_sizes[j], :r].copy_(b)

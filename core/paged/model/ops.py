@@ -100,16 +100,20 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
     return out
 
 
-def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, col: int, meta) -> None:
-    """Batched LoRA expand, in place: y[t] += xa[t, col:col+R] @ b[slot(t)]^T, b [slots, out,
-    R] (the adapter's scale folded in); y may be a column view of a wider output."""
+def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, sizes: list[int], meta):
+    """Batched LoRA expand, in place: for each slice j of `sizes` (consecutive columns of y,
+    rows of b), y[t, slice j] += xa[t, jR:(j+1)R] @ b[slot(t), slice j]^T; b [slots,
+    sum(sizes), R] with the adapter's scale folded in (qkv_proj: three slices, one each)."""
     r = b.shape[2]
+    bounds = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
     for s, (lo, hi) in enumerate(zip(meta.starts_host, meta.starts_host[1:])):
         if hi > lo:
             ids = meta.token_ids[lo:hi]
-            rows = xa.index_select(0, ids)[:, col : col + r].to(b.dtype)
-            delta = F.linear(rows, b[s]).to(y.dtype)
-            y.index_put_((ids,), delta, accumulate=True)  # (index_add_ is slow on a view)
+            rows = xa.index_select(0, ids).to(b.dtype)
+            parts = [F.linear(rows[:, j * r : (j + 1) * r], b[s, bounds[j] : bounds[j + 1]])
+                     for j in range(len(sizes))]  # fmt: skip
+            delta = torch.cat(parts, dim=1)
+            y.index_put_((ids,), delta.to(y.dtype), accumulate=True)
 
 
 _MASK_ADD: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
