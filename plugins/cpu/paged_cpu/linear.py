@@ -14,6 +14,8 @@ import logging
 import torch
 from torch import nn
 
+from paged.quantization import QuantLinear, QuantMethod
+
 log = logging.getLogger("paged")
 
 
@@ -70,30 +72,50 @@ def gguf_blocks_available() -> bool:
     return native is not None and native.q8_linear_native()
 
 
-class GgufBlockLinear(nn.Module):
-    """A linear layer computed from the GGUF file's own blocks, as llama.cpp computes it: each
-    block of 32 weights is code * d + m, each block of 32 inputs is quantized to int8 with
-    its own scale, and the block's dot product is exact integer arithmetic (AVX-512 VNNI).
-    About 1.3-1.5x the bf16 matmul rate at 64 rows and 3x at one row (bench/kernels_cpu.py)."""
+class GgufBlocksMethod(QuantMethod):
+    """The quantized-linear method of a GGUF's Q4_0/Q4_1/Q8_0 blocks on the CPU: each block of
+    32 weights is code * d + m, each block of 32 inputs is quantized to int8 with its own
+    scale, and the block's dot product is exact integer arithmetic (AVX-512 VNNI), as
+    llama.cpp computes it. The tensors come from the file at `prepare_model`, not from the
+    safetensors loader (no `convert`)."""
+
+    name = "gguf-blocks"
+    from_checkpoint = True
+
+    def __init__(self, codes_dtype: torch.dtype) -> None:
+        from paged_cpu.native import kernels
+
+        self.native = kernels()
+        self.codes_dtype = codes_dtype
+
+    def create_weights(self, layer: QuantLinear) -> None:
+        n, k = layer.out_features, layer.in_features
+        layer.add("codes", (n // 16, k // 32, 8, 16, 4), self.codes_dtype)  # pack_blocks' layout
+        layer.add("scales", (n // 16, k // 32, 2, 16), torch.float32)
+
+    def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.native.q8_linear(
+            x.reshape(-1, layer.in_features), layer.codes, layer.scales, layer.bias
+        )
+        return y.view(*shape[:-1], layer.out_features)
+
+
+class GgufBlockLinear(QuantLinear):
+    """A linear layer computed from the GGUF file's own blocks (GgufBlocksMethod). About
+    1.3-1.5x the bf16 matmul rate at 64 rows and 3x at one row (bench/kernels_cpu.py)."""
 
     def __init__(
         self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
-        super().__init__()
-        from paged_cpu.native import kernels
-
-        self.native = kernels()
         n, k = codes.shape
-        self.in_features, self.out_features = k, n
-        self.codes, self.scales = pack_blocks(codes, d, m)
-        self.bias = None if bias is None else bias.detach().float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self.native.q8_linear(
-            x.reshape(-1, self.in_features), self.codes, self.scales, self.bias
-        )
-        return y.view(*shape[:-1], self.out_features)
+        super().__init__(k, n, bias is not None, GgufBlocksMethod(codes.dtype))
+        packed, scales = pack_blocks(codes, d, m)
+        with torch.no_grad():
+            self.codes.copy_(packed)
+            self.scales.copy_(scales)
+            if bias is not None:
+                self.bias.copy_(bias.detach().float())
 
 
 def pack_blocks(
