@@ -35,6 +35,7 @@ class QuantMethod:
     from_checkpoint: ClassVar[bool] = True
     # The checkpoint tensor names (after the layer's) `convert` reads; others pass through.
     suffixes: ClassVar[frozenset[str]] = frozenset({"weight"})
+    device: torch.device | None = None  # the model's device, set before `convert` runs
 
     def describe(self) -> str:
         return self.name

@@ -34,6 +34,7 @@ def quantized_weights(
     if method is None:
         return weights
     check_model(model, method)
+    method.device = next(model.parameters()).device  # convert there (then copied in place)
     return convert_checkpoint(weights, method, quant_targets(model))
 
 
