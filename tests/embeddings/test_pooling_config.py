@@ -48,6 +48,13 @@ def test_unsupported_sentence_transformers_modules(tmp_path):
     save_sentence_transformers(str(tmp_path), "max_tokens", False)
     with pytest.raises(ValueError, match="got pooling_mode_max_tokens"):
         sentence_transformers_pooling(str(tmp_path))
+    pool = tmp_path / "1_Pooling" / "config.json"
+    config = json.loads(pool.read_text())
+    config |= {"pooling_mode_max_tokens": False, "pooling_mode_lasttoken": True}
+    pool.write_text(json.dumps(config | {"include_prompt": False}))
+    with pytest.raises(ValueError, match="include_prompt false"):
+        sentence_transformers_pooling(str(tmp_path))
+    pool.write_text(json.dumps(config))
     modules = json.loads((tmp_path / "modules.json").read_text())
     modules.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))

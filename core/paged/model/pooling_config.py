@@ -103,6 +103,11 @@ def sentence_transformers_pooling(path: str | None) -> dict[str, Any] | None:
             f"pooling_mode_mean_tokens, pooling_mode_cls_token is supported (got "
             f"{', '.join(bad + [k for k in _ST_MODES if pool.get(k)]) or 'none'})"
         )
+    if pool.get("include_prompt") is False:
+        raise ValueError(
+            "sentence-transformers pooling: include_prompt false (pooling without the "
+            "instruction's tokens) is not supported"
+        )
     return {"pooling_type": modes[0], "normalize": "Normalize" in kinds}
 
 
