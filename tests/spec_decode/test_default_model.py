@@ -68,3 +68,21 @@ def test_metrics_families():
         'paged:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 4.0'
         in text
     )
+
+
+def test_stop_string_cuts_several_new_tokens(smollm):
+    """The server's and LLM's output state: an engine output of several tokens (an accepted
+    run) whose middle token completes a stop string keeps the tokens up to that one."""
+    from paged.engine.messages import EngineOutput
+    from paged.engine.outputs import OutputState
+
+    tok = smollm.get_tokenizer()
+    ids = tok.encode(" quick brown fox jumps over", add_special_tokens=False)
+    upto = next(i for i in range(len(ids)) if "fox" in tok.decode(ids[: i + 1]))
+    assert upto < len(ids) - 1
+    st = OutputState(0, tok, tok.encode("The"), SamplingParams(stop=["fox"]))
+    lps = [{t: -1.0} for t in ids]
+    stopped = st.update(EngineOutput("r", ids, False, logprobs=lps, ranks=[1] * len(ids)))
+    assert stopped and st.kept == upto + 1
+    assert st.out.text == " quick brown " and st.out.token_ids == ids[: upto + 1]
+    assert len(st.out.logprobs) == upto + 1 and st.out.finish_reason == "stop"

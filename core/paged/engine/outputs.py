@@ -80,6 +80,7 @@ class OutputState:
         self.streamed = (0, 0)  # LLM.stream DELTA: tokens and characters already given
         self.prompt_logprobs: list[dict[int, float]] | None = None  # of prompt tokens 1..
         self.prompt_ranks: list[int] = []
+        self.kept = 0  # tokens of the last update's output kept (a stop string may cut them)
 
     def update(self, eo: EngineOutput) -> bool:
         """Apply an engine output; True when a stop string ended the sequence here."""
@@ -87,6 +88,7 @@ class OutputState:
             return self._update_each(eo)  # several tokens (speculative decoding)
         out = self.out
         out.token_ids.extend(eo.new_token_ids)
+        self.kept = len(eo.new_token_ids)
         if eo.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_ranks = eo.prompt_logprobs, eo.prompt_ranks or []
         if eo.logprobs:
@@ -126,7 +128,9 @@ class OutputState:
                 prompt_ranks=eo.prompt_ranks if j == 0 else None,
             )
             if self.update(one):
+                self.kept = j + 1
                 return True
+        self.kept = n
         return False
 
     def text_delta(self) -> str:

@@ -189,10 +189,11 @@ async def _stream(
                 started.add(u.index)
                 yield chunk(u.index, {"role": "assistant", "content": ""})
             eo = u.output
-            completion += len(eo.new_token_ids)
+            kept = u.state.kept  # a stop string inside several new tokens ends them there
+            completion += kept
             if u.index == 0:
                 cached = eo.num_cached_tokens
-            pending.add(u.index, eo.new_token_ids, eo.logprobs)
+            pending.add(u.index, eo.new_token_ids[:kept], eo.logprobs and eo.logprobs[:kept])
             delta, out = u.state.text_delta(), u.state.out
             body = {"content": delta} if delta else {}
             if parsing.active:

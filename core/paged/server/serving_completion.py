@@ -208,7 +208,8 @@ async def _stream(
                     yield chunk(k * n + i, _prompt_text(sv, prompts[k]))
         async for k, u in sv.generate(rid, prompts):
             eo, index = u.output, k * n + u.index
-            completion += len(eo.new_token_ids)
+            kept = u.state.kept  # a stop string inside several new tokens ends them there
+            completion += kept
             if u.index == 0:
                 cached[k] = eo.num_cached_tokens
             if u.state.prompt_logprobs is not None:
@@ -218,7 +219,7 @@ async def _stream(
                 first = first_chunk(k, index)
                 if first is not None:
                     yield first
-            pending.add(index, eo.new_token_ids, eo.logprobs)
+            pending.add(index, eo.new_token_ids[:kept], eo.logprobs and eo.logprobs[:kept])
             delta, out = u.state.text_delta(), u.state.out
             if u.state.finished:
                 yield chunk(index, delta, out.finish_reason, out.stop_reason)
