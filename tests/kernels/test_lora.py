@@ -1,30 +1,35 @@
 """The batched LoRA Triton kernels (paged.kernels.lora) against the grouped torch path
 (paged.model.ops) and a per-token reference, in the interpreter on CPU: tiny shapes."""
 
+import numpy as np
 import pytest
 import torch
 
 from paged.kernels import lora_expand, lora_shrink
-from paged.lora.layers import LoRABatch
+from paged.lora.batch import LoRABatch, buffer_size, pack
 from paged.model import ops
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def batch_for(token_slot: list[int], slots: int, device) -> LoRABatch:
-    """Tokens grouped by slot as LoRAManager.prepare lays them out (-1: no adapter), with
-    padding after the used part (the static buffer's stale tail)."""
-    ts = torch.tensor(token_slot)
-    counts = torch.bincount(ts[ts >= 0], minlength=slots)
-    starts = torch.zeros(slots + 1, dtype=torch.long)
-    starts[1:] = counts.cumsum(0)
-    order = torch.argsort(ts, stable=True)[len(ts) - int(starts[-1]) :]
-    ids = torch.cat([order, torch.full((5,), 7)])
-    return LoRABatch(ids.to(device), starts.to(device), starts.tolist())
+    """Tokens grouped by slot as LoRAManager.prepare lays them out (-1: no adapter), in a
+    buffer whose tail holds stale ids (as the static buffer does after a larger step)."""
+    host, starts = pack(np.asarray(token_slot, dtype=np.int64), slots)
+    buf = torch.full((buffer_size(slots, len(token_slot) + 5),), 7, dtype=torch.long)
+    buf[: len(host)] = torch.from_numpy(host)
+    batch = LoRABatch.on(buf.to(device), slots)
+    batch.starts_host = starts
+    return batch
+
+
+# a mix; none with an adapter; an empty slot between two runs (20 rows: two 16-row blocks);
+# 600 tokens: 64-row blocks
+SLOTS = [[0, 1, -1, 0, 2, 1, -1], [-1, -1], [2] * 20 + [0] * 3, [i % 4 - 1 for i in range(600)]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("token_slot", [[0, 1, -1, 0, 2, 1, -1], [-1, -1], [2] * 20 + [0] * 3])
+@pytest.mark.parametrize("token_slot", SLOTS, ids=["mix", "none", "gap", "long"])
 # K 1024: the shrink splits K over 4 programs. Slices [32, 16, 16] fall on 16-column blocks
 # (one expand launch for all); [24, 8, 8] do not (one launch per slice).
 @pytest.mark.parametrize("k, outs", [(40, [24, 8, 8]), (1024, [32, 16, 16]), (40, [48])])

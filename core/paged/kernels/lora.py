@@ -6,10 +6,11 @@ slot's run starts), and one kernel launch multiplies every slot's rows by that s
     expand:  y[t, slice j] += xa[t, jR:(j+1)R] @ B_j[slot(t)]^T
              B [slots, out, R]: the slices' rows stacked (scale folded in), one launch for all
 
-A program of `_lora_gemm` takes BLOCK_M rows of one slot's run and BLOCK_N output columns.
-The grid is fixed by the token count and the slot count, never by the step's lists, so
-nothing waits for the device and CUDA graphs can capture it: programs past their slot's run
-exit at once. Tokens without an adapter are in no run and are left alone.
+A program of `_lora_gemm` takes BLOCK_M rows of one slot's run and BLOCK_N output columns:
+program m along M finds its slot among the runs' block offsets (paged.lora.batch). The grid
+is fixed by the token count and the slot count (tokens / BLOCK_M + slots along M), never by
+the step's lists, so nothing waits for the device and CUDA graphs can capture it: programs
+past the last run exit at once. Tokens without an adapter are in no run and are left alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _lora_gemm(
     y_ptr,  # [T, N] (a column view of a wider output is fine: row stride)
     ids_ptr,  # [>= T] token indices, grouped by slot
     starts_ptr,  # [slots + 1] where each slot's run starts in ids
+    blocks_ptr,  # [slots + 1] where each slot's BLOCK_M blocks start among all of them
+    num_slots,
     N,
     K,
     x_col,
@@ -43,14 +46,19 @@ def _lora_gemm(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SLOTS_P2: tl.constexpr,  # a power of two > num_slots
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1) // SPLIT_K
     pid_k = tl.program_id(1) % SPLIT_K
-    slot = tl.program_id(2)
+    offs = tl.arange(0, SLOTS_P2)
+    firsts = tl.load(blocks_ptr + offs, mask=offs <= num_slots, other=1 << 30)
+    slot = tl.sum((firsts <= pid_m).to(tl.int32)) - 1  # the last slot starting at or before
+    if slot >= num_slots:  # past the last block
+        return
     lo = tl.load(starts_ptr + slot)
     hi = tl.load(starts_ptr + slot + 1)
-    row0 = lo + pid_m * BLOCK_M
+    row0 = lo + (pid_m - tl.load(blocks_ptr + slot)) * BLOCK_M
     if row0 >= hi:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -113,13 +121,15 @@ def _launch(
     block_n = block_n or _block_n(n)
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     cpu = x.device.type == "cpu"  # the interpreter
-    grid = (triton.cdiv(t, block_m), triton.cdiv(n, block_n) * split_k, slots)
+    grid = (triton.cdiv(t, block_m) + slots, triton.cdiv(n, block_n) * split_k)
     _lora_gemm[grid](
-        x, w, y, meta.token_ids, meta.starts, n, k, x_col, s1, s2, r_stride,
+        x, w, y, meta.token_ids, meta.starts, meta.blocks[block_m], slots, n, k, x_col,
+        s1, s2, r_stride,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         ADD=add, SPLIT_K=split_k, IEEE=w.dtype == torch.float32 or cpu,
         UPCAST=cpu and (x.dtype != torch.float32 or w.dtype != torch.float32),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SLOTS_P2=triton.next_power_of_2(slots + 1), num_warps=4,
     )  # fmt: skip
 
 

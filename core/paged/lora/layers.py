@@ -10,26 +10,11 @@ rows/columns, the rest stay zero; B holds the adapter's scale (alpha / r) folded
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
+from paged.lora.batch import LoRABatch
 from paged.model import ops
-
-
-@dataclass
-class LoRABatch:
-    """One step's tokens by slot, in static device buffers (graph replays read them):
-    `token_ids[starts[s]:starts[s+1]]` are the tokens of slot s; `starts_host`, the same
-    offsets on the host (the grouped torch path loops over them)."""
-
-    token_ids: torch.Tensor
-    starts: torch.Tensor
-    starts_host: list[int] = field(default_factory=list)
-    # True when no token of this step has an adapter: eager forwards skip the LoRA kernels
-    # (a captured graph runs them; with empty runs they exit at once).
-    empty: bool = False
 
 
 class LoRALinear(nn.Module):

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from paged.lora.layers import LoRABatch, LoRALinear
+from paged.lora import batch as step_batch
+from paged.lora.layers import LoRALinear
 from paged.lora.peft import AdapterError, AdapterSpec, check_shapes, load_tensors, read_spec
 from paged.lora.request import LoRARequest
 
@@ -72,8 +73,9 @@ class LoRAManager:
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.device = device
         s = self.max_loras
-        self.buf = torch.zeros(s + 1 + max_tokens, dtype=torch.int64, device=device)
-        self.batch = LoRABatch(self.buf[s + 1 :], self.buf[: s + 1], [0] * (s + 1))
+        size = step_batch.buffer_size(s, max_tokens)
+        self.buf = torch.zeros(size, dtype=torch.int64, device=device)
+        self.batch = step_batch.LoRABatch.on(self.buf, s)
         self.layers: list[dict[str, LoRALinear]] = []
         shapes = [_shapes(layer, hf_config) for layer in model.layers]
         common = set.intersection(*(set(sh) for sh in shapes)) if shapes else set()
@@ -183,13 +185,9 @@ class LoRAManager:
             [-1 if lo is None else self._ensure_slot(lo, keep) for lo in loras], dtype=np.int64
         )
         token_slot = np.repeat(req_slot, np.asarray(num_new, dtype=np.int64))
-        counts = np.bincount(token_slot[token_slot >= 0], minlength=s)
-        starts = np.zeros(s + 1, dtype=np.int64)
-        np.cumsum(counts, out=starts[1:])
-        order = np.argsort(token_slot, kind="stable")[len(token_slot) - int(starts[-1]) :]
-        host = np.concatenate([starts, order])
+        host, starts = step_batch.pack(token_slot, s)
         self.buf[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
-        self.batch.starts_host = starts.tolist()
+        self.batch.starts_host = starts
         self.batch.empty = not keep
 
 
