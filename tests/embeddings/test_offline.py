@@ -173,3 +173,36 @@ def test_causal_lm_architecture_without_head(qwen3_embedding, tmp_path):
     ps = prompts([20], seed=8)
     close([llm.embed(ps, use_tqdm=False)[0].outputs.embedding],
           hf_pooled(qwen3_embedding, ps, "LAST", True))  # fmt: skip
+
+
+def test_lora_adapter_embeddings(llama_lm, tmp_path):
+    """A PEFT adapter selected per request: vectors equal HF's with the adapter merged, in one
+    batch with requests on the base model."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from paged.lora.request import LoRARequest
+
+    base = AutoModelForCausalLM.from_pretrained(llama_lm, dtype=torch.float32)
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=targets)
+    model = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(tmp_path / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(llama_lm, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
+    merged.model.save_pretrained(tmp_path / "merged")  # the bare decoder, for AutoModel
+    llm = LLM(llama_lm, enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    ps = prompts([10, 40], seed=10)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    out = llm.embed(ps + ps, lora_request=[lora, lora, None, None], use_tqdm=False)
+    want = hf_pooled(str(tmp_path / "merged"), ps, "LAST", True)
+    close([o.outputs.embedding for o in out], want + hf_pooled(llama_lm, ps, "LAST", True))
+    assert not torch.allclose(
+        torch.tensor(out[0].outputs.embedding), torch.tensor(out[2].outputs.embedding), atol=1e-3
+    )
+    check_kv(llm)

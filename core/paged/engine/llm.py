@@ -346,12 +346,13 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's LLM.embed: one pooled vector per prompt (`.outputs.embedding`)."""
+        done = self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
         return [
             EmbeddingRequestOutput(rid, EmbeddingOutput(vec), ids, True, cached)
-            for rid, ids, vec, cached in self._pool(prompts, pooling_params, truncate_prompt_tokens,
-                                                  use_tqdm)
+            for rid, ids, vec, cached in done
         ]
 
     def encode(
@@ -360,18 +361,19 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str = "embed",
     ) -> list[PoolingRequestOutput]:
         """vLLM's LLM.encode for the embed task: `.outputs.data`, a float32 tensor."""
         if pooling_task != "embed":
             raise ValueError(f"pooling_task: only 'embed' is supported, got {pooling_task!r}")
+        done = self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request)
         return [
             PoolingRequestOutput(rid, PoolingOutput.of(vec), ids, True, cached)
-            for rid, ids, vec, cached in self._pool(prompts, pooling_params, truncate_prompt_tokens,
-                                                  use_tqdm)
+            for rid, ids, vec, cached in done
         ]
 
-    def _pool(self, prompts, pooling_params, truncate_prompt_tokens: int | None, use_tqdm: bool):
+    def _pool(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request):
         prompts = self._normalize(prompts)
         params = pooling_params if pooling_params is not None else PoolingParams()
         if isinstance(params, PoolingParams):
@@ -381,5 +383,10 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]  # fmt: skip
+        loras = lora_request
+        if loras is None or isinstance(loras, LoRARequest):
+            loras = [loras] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: one per prompt, or a single one for all")
         tokenized = [self._tokenize(p) for p in prompts]
-        return run_pooling(self.engine, tokenized, list(params), self._ids, use_tqdm)
+        return run_pooling(self.engine, tokenized, list(params), self._ids, use_tqdm, list(loras))

@@ -111,14 +111,16 @@ def run_offline(
     params: list[PoolingParams],
     ids,
     use_tqdm: bool = False,
+    loras: list | None = None,
 ) -> list[tuple[str, list[int], list[float], int]]:
     """Run embedding requests on an EngineCore to the end: per prompt, in order, (request
-    id, prompt ids as computed, vector, prefix-cache hits). `ids`: an iterator of ids."""
+    id, prompt ids as computed, vector, prefix-cache hits). `ids`: an iterator of ids;
+    `loras`: each prompt's LoRA adapter (or None)."""
     order, done = [], {}
     try:
-        for (_, tokens), p in zip(prompts, params):
+        for (_, tokens), p, lora in zip(prompts, params, loras or [None] * len(prompts)):
             rid = str(next(ids))
-            engine.add_request(rid, tokens, embedding_params(p))
+            engine.add_request(rid, tokens, embedding_params(p), lora)
             order.append(rid)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         while len(done) < len(order):

@@ -15,6 +15,7 @@ from pydantic import Field, StrictInt
 from paged.engine.pooling import embedding_params
 from paged.pooling_params import PoolingParams
 from paged.server.errors import APIError, bad_request
+from paged.server.lora_adapters import CURRENT as CURRENT_LORA
 from paged.server.protocol import RequestBody
 from paged.server.serving import Prompt, Serving, api_error, new_id
 
@@ -35,7 +36,7 @@ class EmbeddingRequest(RequestBody):
 
 
 async def create_embedding(sv: Serving, req: EmbeddingRequest) -> dict[str, Any]:
-    sv.check_model(req.model)
+    sv.check_model(req.model)  # the model, or a LoRA adapter the vectors are computed with
     raw: list = [req.input] if isinstance(req.input, str) else list(req.input)
     if raw and isinstance(raw[0], int):
         raw = [raw]  # one prompt of token ids
@@ -99,7 +100,7 @@ async def _prompt(sv: Serving, item: str | list[int], params, special: bool) -> 
             f"{len(ids)} tokens (truncate_prompt_tokens keeps the last ones)"
         )
         raise APIError(400, msg, "input", "context_length_exceeded")
-    return Prompt(item if isinstance(item, str) else None, ids, params)
+    return Prompt(item if isinstance(item, str) else None, ids, params, CURRENT_LORA.get())
 
 
 def _encode(vec: list[float], encoding_format: str) -> list[float] | str:
