@@ -92,6 +92,27 @@ def test_more_adapters_than_slots(lora_model, adapters, hf_models, hf_greedy):
     llm.engine.kv.check_invariants()
 
 
+def test_adapter_gone_from_disk_fails_its_step_not_the_engine(lora_model, adapters, tmp_path):
+    """An adapter whose files vanish after its first use: reloading it (evicted from the one
+    slot and the one host copy) fails that step's requests; the engine serves on."""
+    import shutil
+
+    llm = LLM(lora_model, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+              kv_cache_memory="16MiB")  # fmt: skip
+    copy = shutil.copytree(adapters["beta"], tmp_path / "beta")
+    gone, alpha = LoRARequest("gone", 3, str(copy)), LoRARequest("alpha", 1, adapters["alpha"])
+    llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False, lora_request=gone)
+    shutil.rmtree(copy)
+    llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False, lora_request=alpha)  # evicts "gone"
+    for _ in range(2):  # the slot is not lost: alpha still runs after each failure
+        with pytest.raises(RuntimeError, match="adapter_model"):
+            llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False, lora_request=gone)
+        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False, lora_request=alpha)
+    assert len(llm.generate([[5, 6]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids) == N
+    llm.engine.kv.check_invariants()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
 def test_lora_request_needs_enable_lora(lora_model, adapters):
     from paged.config import EngineConfig
 

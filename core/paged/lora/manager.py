@@ -150,12 +150,12 @@ class LoRAManager:
         if lid in self.slot_of:
             self.slot_of.move_to_end(lid)
             return self.slot_of[lid]
+        tensors = self._host_tensors(lora)  # first: a failed read leaves the slots as they were
         if self.free_slots:
             slot = self.free_slots.pop(0)
         else:
             victim = next(i for i in self.slot_of if i not in keep)
             slot = self.slot_of.pop(victim)
-        tensors = self._host_tensors(lora)
         for i, wrapped in enumerate(self.layers):
             for path, mod in wrapped.items():
                 slices = {
