@@ -59,10 +59,12 @@ def test_block_count_for_the_same_memory(llama, dtype, ratio):
     assert n["fp8"] == ratio * n["auto"]
 
 
-def test_greedy_matches_hf_with_fp8_kv(llama, hf_fp8):
-    """Batched, prefix cache on, prompts in 16-token chunks."""
+@pytest.mark.parametrize("cpu_native", [True, False])
+def test_greedy_matches_hf_with_fp8_kv(llama, hf_fp8, cpu_native):
+    """Batched, prefix cache on, prompts in 16-token chunks; decode through the C++ kernel
+    (where built) and through torch ops."""
     llm = LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=128,
-              max_num_batched_tokens=16)  # fmt: skip
+              max_num_batched_tokens=16, cpu_native=cpu_native)  # fmt: skip
     assert tokens(llm, prompts()) == hf_fp8
     again = llm.generate(prompts()[-1:], GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens == 32  # prefix hit over fp8 blocks
@@ -151,3 +153,49 @@ def test_platform_without_fp8_refused(llama, monkeypatch):
     why = "--kv-cache-dtype fp8 is not supported on platform no-fp8: attention backend .* cannot"
     with pytest.raises(ValueError, match=why + " store the KV cache as float8_e4m3fn"):
         LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_native_fp8_matches_torch_path(fp8, dtype):
+    """A mixed step (decodes, a chunk over cached context, a fresh prompt) through the CPU
+    backend with the C++ kernel's paged_decode_fp8 and with torch ops: the same fp8 bytes
+    (the torch quantizer's) and outputs."""
+    from test_cpu_kernels import native_or_skip
+
+    from paged.model.attention import AttentionMetadata
+    from paged_cpu.attention import CpuAttentionBackend
+
+    native_or_skip()
+    torch.manual_seed(0)
+    hq, hk, d, bs, nblocks = 8, 2, 64, 16, 32  # head_dim 64, group 4: the register kernel
+    args = (hq, hk, d, d**-0.5, bs, dtype, torch.device("cpu"))
+    with_native, plain = CpuAttentionBackend(*args), CpuAttentionBackend(*args, native=False)
+    cache = (torch.randn(with_native.kv_cache_shape(nblocks)) * 4).to(fp8)
+    ks, vs = torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5])
+    q_lens, seq_lens = [1, 1, 7, 5], [20, 33, 23, 5]
+    tables = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 6, 0], [7, 0, 0]], dtype=torch.int32)
+    slots = []
+    for ql, sl, row in zip(q_lens, seq_lens, tables.tolist()):
+        slots += [row[p // bs] * bs + p % bs for p in range(sl - ql, sl)]
+    t = sum(q_lens)
+    meta = AttentionMetadata(
+        num_reqs=4, num_decodes=2, num_tokens=t,
+        query_start_loc=torch.tensor([0, 1, 2, 9, 14], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=torch.tensor(slots), max_query_len=7, max_seq_len=33,
+        query_lens_cpu=q_lens, seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    q, k, v = (torch.randn(t, n, d).to(dtype) for n in (hq, hk, hk))
+    outs, caches = [], []
+    for backend in (with_native, plain):
+        backend.use_cache_dtype(fp8)
+        c = cache.clone()
+        backend.bind_kv_scales(c, ks, vs)
+        outs.append(backend.forward(q, k, v, c, backend.plan(meta)))
+        caches.append(c.view(torch.uint8))
+    assert hasattr(with_native.native, "paged_decode_fp8") and plain.native is None
+    assert torch.equal(caches[0], caches[1])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the torch path rounds probs
+    top = outs[1].float().abs().max().item()
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol * top, rtol=tol)

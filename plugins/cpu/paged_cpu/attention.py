@@ -113,11 +113,10 @@ class CpuAttentionBackend(AttentionBackend):
 
     def use_cache_dtype(self, cache_dtype: torch.dtype) -> None:
         """An fp8 cache is written as paged.model.kv_quant.quantize does and read back as
-        stored * scale, on the torch path (the C++ kernel reads model-dtype caches only);
-        attention always sees the cached values, a prompt's own K/V too, as in the Triton
-        kernels."""
+        stored * scale (the C++ kernel's paged_decode_fp8 for decodes, where built); attention
+        always sees the cached values, a prompt's own K/V too, as in the Triton kernels."""
         super().use_cache_dtype(cache_dtype)
-        if self.quantized_cache:
+        if self.quantized_cache and not hasattr(self.native, "paged_decode_fp8"):
             self.torch_decode_layers = True
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -188,7 +187,8 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         plan: CpuPlan = meta.extra
         native = self.native is not None and window is None and softcap is None
-        native = native and not self.quantized_cache
+        if self.quantized_cache:
+            native = native and hasattr(self.native, "paged_decode_fp8")
         if not native and meta.num_decodes and plan.decode_table is None:
             self.torch_decode_layers = True  # a layer check_layer did not announce
             plan = self.plan(meta).extra
@@ -204,12 +204,19 @@ class CpuAttentionBackend(AttentionBackend):
         slots = meta.slot_mapping
         out = torch.empty_like(q)
         nd = meta.num_decodes
-        if self.quantized_cache:  # fp8: written as bytes (index_copy_ has no float8 kernels)
+        if self.quantized_cache:  # fp8
             ks, vs = self.kv_scales(kv_cache)
+            if native:  # quantizes K/V as it writes them, decodes from the blocks in place
+                q = q.contiguous()
+                self.native.paged_decode_fp8(q, k.contiguous(), v.contiguous(), k_cache, v_cache,
+                                             slots, meta.block_tables, meta.seq_lens, out, nd,
+                                             scale, ks, vs)  # fmt: skip
+                nd = 0
             kq, vq = quantize(k, ks, self.cache_dtype), quantize(v, vs, self.cache_dtype)
-            for cache, x in ((k_cache, kq), (v_cache, vq)):
-                raw = cache.view(torch.uint8).view(h, -1, d)
-                raw.index_copy_(1, slots, x.view(torch.uint8).transpose(0, 1))
+            if not native:  # written as bytes (index_copy_ has no float8 kernels)
+                for cache, x in ((k_cache, kq), (v_cache, vq)):
+                    raw = cache.view(torch.uint8).view(h, -1, d)
+                    raw.index_copy_(1, slots, x.view(torch.uint8).transpose(0, 1))
             k_cache, v_cache = Dequantized(k_cache, ks, q.dtype), Dequantized(v_cache, vs, q.dtype)
             k, v = k_cache.like(kq), v_cache.like(vq)  # what the cache holds, for this chunk
         elif (

@@ -2,6 +2,8 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "write K/V to the paged cache, decode attention");
+  m.def("paged_decode_fp8", &paged_decode_fp8,
+        "paged_decode over an fp8 cache (K/V quantized per kv head as they are written)");
   m.def("q8_linear_native", &q8_linear_native, "q8_linear has its AVX-512 VNNI path");
   m.def("q8_linear", &q8_linear, "x @ W^T (+ bias), W as GGUF blocks, x quantized to 8 bits");
   m.def("rms_norm_bf16", &rms_norm_bf16, "(residual += x), RMS norm, bfloat16");

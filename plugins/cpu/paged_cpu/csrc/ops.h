@@ -55,6 +55,10 @@ inline float exp_approx(float v) {
 void paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                   torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
                   torch::Tensor seq_lens, torch::Tensor out, int64_t reqs, double scale);
+void paged_decode_fp8(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                      torch::Tensor v_cache, torch::Tensor slots, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, torch::Tensor out, int64_t reqs, double scale,
+                      torch::Tensor k_scale, torch::Tensor v_scale);
 
 bool q8_linear_native();
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
