@@ -211,3 +211,71 @@ def tiny_arch(kind: str, path: str) -> str:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+# ---- GGUF: a tiny Llama as llama.cpp writes it, projections in Q4_0 / Q4_1 -----------------
+_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+         "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+         "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+
+
+def _permute(w, n_head: int):
+    """llama.cpp's q/k row order (convert_hf_to_gguf's permute)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_q4_gguf(hf_dir: str, out: str) -> str:
+    """The HF Llama at `hf_dir` as a GGUF file: attention projections Q4_0, MLP ones Q4_1
+    (gguf-py's quantizers), the rest float32."""
+    import gguf
+    import numpy as np
+
+    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = model.config
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, t in model.state_dict().items():
+        a = t.numpy().astype(np.float32)
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        if ".attn_q." in gname:
+            a = _permute(a, c.num_attention_heads)
+        if ".attn_k." in gname:
+            a = _permute(a, c.num_key_value_heads)
+        kind = None
+        if parts[1] == "layers" and "norm" not in gname:
+            kind = (
+                gguf.GGMLQuantizationType.Q4_0
+                if "attn" in gname
+                else gguf.GGMLQuantizationType.Q4_1
+            )
+        if kind is None:
+            w.add_tensor(gname, a)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -49,9 +49,11 @@ def test_fp8_linear_matches_reference(device, dtype, m, n, k, group_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, n, k, group_k", [(1, 40, 256, 128), (3, 64, 128, 32),
-                                              (6, 24, 256, 128), (20, 72, 128, 64)])  # fmt: skip
-def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k):
+@pytest.mark.parametrize("m, n, k, group_k, with_mins", [
+    (1, 40, 256, 128, False), (3, 64, 128, 32, True),  # GEMV; GGUF Q4_1's mins, groups of 32
+    (6, 24, 256, 128, False), (20, 72, 128, 64, False), (9, 32, 96, 32, True),
+])  # fmt: skip
+def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_mins):
     from paged.kernels.int4_gemm import int4_linear
 
     g = torch.Generator().manual_seed(m + n + k)
@@ -60,9 +62,11 @@ def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k):
     zeros = torch.randint(0, 16, (n, k // group_k), generator=g).to(torch.uint8)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
-    want = ref.int4_linear(x, codes, scales, zeros, group_k, bias)
+    mins = torch.randn(n, k // group_k, generator=g) * 0.05 if with_mins else None
+    want = ref.int4_linear(x, codes, scales, zeros, group_k, bias, mins)
     args = (codes, scales, zeros)
-    got = int4_linear(x.to(device), *(a.to(device) for a in args), group_k, bias.to(device))
+    got = int4_linear(x.to(device), *(a.to(device) for a in args), group_k, bias.to(device),
+                      None if mins is None else mins.to(device))  # fmt: skip
     _close(got.cpu(), want, TOL[dtype])
 
 

@@ -20,8 +20,9 @@ GEMV_MAX_ROWS = 4
 
 
 @triton.jit
-def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW, group_k,
-                  dtype: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0, G, KW,
+                  group_k, dtype: tl.constexpr, HAS_MIN: tl.constexpr,
+                  BLOCK_K: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] weights (rounded to `dtype`) of columns `cols`, inputs
     k0 .. k0 + BLOCK_K: each int32 word loaded once and split into its 8 nibbles; the tile
     lies in one group (BLOCK_K divides group_k), so one scale and zero per column."""
@@ -33,14 +34,18 @@ def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW, g
     g = k0 // group_k
     s = tl.load(scales_ptr + cols64 * G + g, mask=col_ok, other=0.0)
     z = tl.load(zeros_ptr + cols64 * G + g, mask=col_ok, other=0).to(tl.int32)
-    return ((q - z[:, None]).to(tl.float32) * s[:, None]).to(dtype)
+    w = (q - z[:, None]).to(tl.float32) * s[:, None]
+    if HAS_MIN:  # GGUF Q4_1: code * d + m
+        w += tl.load(mins_ptr + cols64 * G + g, mask=col_ok, other=0.0)[:, None]
+    return w.to(dtype)
 
 
 @triton.jit
 def _int4_gemv(
-    x_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr,
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, y_ptr,
     N, K, G, group_k, stride_x, stride_y,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -52,8 +57,8 @@ def _int4_gemv(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW, group_k,
-                          y_ptr.dtype.element_ty, BLOCK_K)  # fmt: skip
+        w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0, G, KW,
+                          group_k, y_ptr.dtype.element_ty, HAS_MIN, BLOCK_K)  # fmt: skip
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -62,9 +67,9 @@ def _int4_gemv(
 
 @triton.jit
 def _int4_gemm(
-    x_ptr, codes_ptr, scales_ptr, zeros_ptr, bias_ptr, y_ptr,
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, y_ptr,
     M, N, K, G, group_k, stride_x, stride_y,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -79,8 +84,9 @@ def _int4_gemm(
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :],
                     mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
-        w = tl.trans(_dequant_tile(codes_ptr, scales_ptr, zeros_ptr, cols64, col_ok, k0, G, KW,
-                                   group_k, y_ptr.dtype.element_ty, BLOCK_K))  # fmt: skip
+        w = tl.trans(_dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok,
+                                   k0, G, KW, group_k, y_ptr.dtype.element_ty, HAS_MIN,
+                                   BLOCK_K))  # fmt: skip
         if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -98,6 +104,7 @@ def int4_linear(
     zeros: torch.Tensor,
     group_k: int,
     bias: torch.Tensor | None = None,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The `int4_linear` op on the device: x [..., K] -> [..., N] in x's dtype."""
     shape = x.shape
@@ -112,11 +119,13 @@ def int4_linear(
     if group_k < 16 or group_k & (group_k - 1):
         raise ValueError(f"int4: group of {group_k} columns is not a power of 2 >= 16")
     b = bias if bias is not None else y
+    mn = mins if mins is not None else scales
     if m <= GEMV_MAX_ROWS:
         bn, bk = 32, min(group_k, 128, max(16, triton.next_power_of_2(k)))
         _int4_gemv[(triton.cdiv(n, bn), m)](
-            x2, codes, scales, zeros, b, y, n, k, groups, group_k, x2.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+            x2, codes, scales, zeros, mn, b, y, n, k, groups, group_k, x2.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, HAS_MIN=mins is not None, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=4,
         )  # fmt: skip
     else:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -125,8 +134,8 @@ def int4_linear(
         upcast = x.dtype == torch.float32 or x.device.type == "cpu"
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _int4_gemm[grid](
-            x2, codes, scales, zeros, b, y, m, n, k, groups, group_k, x2.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=4,
+            x2, codes, scales, zeros, mn, b, y, m, n, k, groups, group_k, x2.stride(0),
+            y.stride(0), HAS_BIAS=bias is not None, HAS_MIN=mins is not None, UPCAST=upcast,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         )  # fmt: skip
     return y.view(*shape[:-1], n)

@@ -32,10 +32,10 @@ def _fp8_linear(x, weight, scale, group_k, bias=None):
     return fp8_linear(x, weight, scale, group_k, bias)
 
 
-def _int4_linear(x, codes, scales, zeros, group_k, bias=None):
+def _int4_linear(x, codes, scales, zeros, group_k, bias=None, mins=None):
     from paged.kernels.int4_gemm import int4_linear
 
-    return int4_linear(x, codes, scales, zeros, group_k, bias)
+    return int4_linear(x, codes, scales, zeros, group_k, bias, mins)
 
 
 def triton_fused_ops() -> dict[str, Callable]:

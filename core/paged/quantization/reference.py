@@ -8,7 +8,7 @@ Layouts (output channels first, so stacked and tensor-parallel shards narrow lik
 weights): fp8: weight float8_e4m3fn [N, K] with float32 scales [N, G] over groups of
 `group_k` input columns (G = 1: per output channel). int4: codes int32 [N, K/8] (column k is
 bits 4*(k%8) of word k//8), float32 scales and uint8 zeros [N, K/group_k]; the weight is
-(code - zero) * scale.
+(code - zero) * scale, plus a float32 min per group where given (GGUF Q4_1).
 """
 
 from __future__ import annotations
@@ -82,11 +82,17 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(
-    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_k: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_k: int,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float32 [N, K]: (code - zero) * scale per group of `group_k` input columns."""
+    """float32 [N, K]: (code - zero) * scale (+ min: GGUF Q4_1's offset) per group of
+    `group_k` input columns."""
     q = _grouped(unpack_int4(codes).float(), zeros.float(), group_k, torch.sub)
-    return _grouped(q, scales.float(), group_k, torch.mul)
+    w = _grouped(q, scales.float(), group_k, torch.mul)
+    return w if mins is None else _grouped(w, mins.float(), group_k, torch.add)
 
 
 def int4_linear(
@@ -96,7 +102,8 @@ def int4_linear(
     zeros: torch.Tensor,
     group_k: int,
     bias: torch.Tensor | None = None,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T + b with W dequantized to x's dtype (weight-only int4)."""
-    w = dequantize_int4(codes, scales, zeros, group_k).to(x.dtype)
+    w = dequantize_int4(codes, scales, zeros, group_k, mins).to(x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from paged.accelerator import AcceleratorPlatform
+from paged.platform import PlatformOption
 
 
 class CudaPlatform(AcceleratorPlatform):
@@ -15,6 +16,14 @@ class CudaPlatform(AcceleratorPlatform):
     device_type = "cuda"
     priority = 100
     dist_backend = "nccl"
+    options = (
+        PlatformOption(
+            "cuda_gguf_int4",
+            "a GGUF model's Q4_0/Q4_1 linears kept as 4-bit blocks on the GPU (the int4 Triton "
+            "kernels); off: dense weights in the model dtype",
+            True,
+        ),
+    )
 
     @classmethod
     def probe(cls) -> str | None:
@@ -29,6 +38,14 @@ class CudaPlatform(AcceleratorPlatform):
         except ImportError:
             return "triton is not installed"
         return None
+
+    def prepare_model(self, model, config, source=None) -> None:
+        gguf = source is not None and source.kind == "gguf"
+        if gguf and config.world_size == 1 and self.option("cuda_gguf_int4"):
+            from paged.quantization.gguf import use_gguf_int4
+
+            use_gguf_int4(model, source, model.config)
+            self.empty_cache()  # the dense weights just replaced
 
     def ops(self):
         """The Triton op table; fp8 linears through torch._scaled_mm where the GPU has fp8."""
