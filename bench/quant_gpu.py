@@ -1,7 +1,7 @@
 """Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
-        [--gemm-rows 1,64,256] [--skip-gemm] [--skip-engine]
+        [--gemm-rows 1,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
@@ -11,7 +11,8 @@
    Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128). GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
-   `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights).
+   `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
+   with `--gguf FILE|default` also that GGUF with its Q4 blocks kept 4-bit vs dense.
 
 Needs CUDA (exits cleanly without it). Results: bench/results/quant-gpu.md (+ JSON twin).
 """
@@ -101,7 +102,10 @@ def paged_cmd(*args: object) -> list[str]:
 
 def engine_bench(args, variant: str, out: Path) -> dict:
     base = ["--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16"]
-    if variant != "none":
+    if variant.startswith("gguf"):  # a real GGUF file: its Q4 blocks kept 4-bit, or dense
+        base = ["--model", args.gguf, "--dtype", "bfloat16"]
+        base += [] if variant == "gguf-int4" else ["--no-cuda-gguf-int4"]
+    elif variant != "none":
         base += ["--quantization", variant]
     base += shlex.split(args.engine_args)
     res: dict = {"variant": variant, "commands": []}
@@ -176,6 +180,12 @@ def main() -> int:
     a("--tp-prompts", type=int, default=1000)
     a("--tp-input", type=int, default=256)
     a("--tp-output", type=int, default=256)
+    a(
+        "--gguf",
+        default=None,
+        help="also a GGUF file with Q4_0/Q4_1 tensors: its 4-bit "
+        "blocks on the GPU (gguf-int4) vs dense (gguf-dense); 'default': the default model",
+    )
     a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
     a("--timeout", type=float, default=900)
     args = ap.parse_args()
@@ -184,11 +194,19 @@ def main() -> int:
         return 0
     from common import write_results
 
+    if args.gguf == "default":
+        from paged.model.loader import default_model_path
+
+        args.gguf = default_model_path()
+
     gemms = [] if args.skip_gemm else gemm_bench([int(r) for r in args.gemm_rows.split(",")])
     engine = []
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as tmp:
-            for v in args.variants.split(","):
+            variants = args.variants.split(",")
+            if args.gguf:
+                variants += ["gguf-int4", "gguf-dense"]
+            for v in variants:
                 engine.append(engine_bench(args, v, Path(tmp)))
     text = report(gemms, engine, args)
     print(text)
