@@ -65,6 +65,9 @@ class ScheduledBatch:
     # engine; such a request computes 1 + len(proposals) tokens: its last and the proposals).
     lookahead: dict[str, int] = field(default_factory=dict)
     spec: dict[str, list[int]] = field(default_factory=dict)
+    # {request id: [k, V] device tensor}: the distributions sampled proposals were drawn from
+    # (a draft model's, on the driver); requests not in it proposed point masses.
+    spec_probs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -164,3 +164,16 @@ def test_preemption(tiny, reference):
     llm = spec_llm(tiny, NGRAM, num_kv_blocks=9, max_model_len=100)
     assert generate(llm, prompts()) == reference
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_sampled_proposals_keep_the_drafts_distribution(self_draft):
+    """A sampling request draws its proposals from the draft's own distribution (its
+    temperature, top-k), kept as q: with the target drafting for itself p == q, so
+    min(1, p / q) accepts (nearly) every proposal; with point masses it would accept ~p(x)."""
+    before = spec_stats(self_draft)
+    params = SamplingParams(temperature=0.9, top_k=40, seed=1, max_tokens=16, ignore_eos=True)
+    generate(self_draft, prompts()[:2], params)
+    s = spec_stats(self_draft)
+    proposed = s["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert proposed > 0 and accepted >= 0.95 * proposed

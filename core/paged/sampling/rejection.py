@@ -16,7 +16,35 @@ without x. The output is distributed as p at every position (Leviathan et al., 2
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+from paged.sampling.sampler import _top_k_top_p
+
+if TYPE_CHECKING:
+    from paged.sampling.sampler import SamplingBatch
+
+
+def sampling_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The normalised distribution `sample` draws from, per row (rows that sample randomly,
+    their logit bias already added): temperature, top-k, top-p, min-p."""
+    scaled = logits / sb.temperature[:, None]
+    if sb.top_k is not None or sb.top_p is not None:
+        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
+    probs = scaled.softmax(dim=-1)
+    if sb.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < sb.min_p[:, None] * top, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, sb: SamplingBatch) -> None:
+    """Add each row's logit bias in place (as `sample` does)."""
+    for i, bias in sb.logit_bias:
+        ids = torch.tensor(list(bias.keys()), device=logits.device)
+        vals = torch.tensor(list(bias.values()), device=logits.device, dtype=logits.dtype)
+        logits[i].index_add_(0, ids, vals)
 
 
 def padded_rows(num_draft: torch.Tensor, k: int) -> torch.Tensor:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from paged.sampling.structured import StructuredOutputs
 from paged.spec_decode.config import SpeculativeConfig
 from paged.spec_decode.ngram import ngram_propose
@@ -68,6 +70,10 @@ class SpecDecoder:
             lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
             props = {r.request_id: ngram_propose(r.token_ids, k, lo, hi) for r, k in items}
         batch.spec = {rid: p for rid, p in props.items() if p}
+        if self.draft is not None:  # sampled proposals: the draft's distributions (q)
+            batch.spec_probs = {
+                rid: torch.stack(qs) for rid, qs in self.draft.probs.items() if rid in batch.spec
+            }
         if not batch.spec:
             return
         for i, r in enumerate(batch.reqs):

@@ -4,9 +4,12 @@ cache of the same number of blocks as the target's, addressed by the target's bl
 
 Per step, for each verifying request, the draft first computes the tokens it has not seen
 (the whole sequence the first time, the accepted tokens and the one after them later; all
-again after a preemption), then decodes greedily k - 1 more steps: k proposals, each a point
-mass for the rejection sampler. Its KV at a rejected proposal's position is overwritten when
-the sequence gets there, as the target's.
+again after a preemption), then decodes k - 1 more steps: k proposals. For a greedy request
+the draft's argmax (a point mass for the verification); for a sampling request a draw from the
+draft's distribution under the request's own temperature / top-k / top-p / min-p / logit bias,
+which is kept as q for the rejection sampler (a draft like the target is then mostly
+accepted). Its KV at a rejected proposal's position is overwritten when the sequence gets
+there, as the target's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 
 from paged.config import EngineConfig
 from paged.sampling.params import SamplingParams
+from paged.sampling.rejection import apply_logit_bias, sampling_probs
+from paged.sampling.sampler import build_sampling_batch
 from paged.scheduled import ScheduledBatch
 
 log = logging.getLogger("paged")
@@ -100,15 +105,21 @@ class DraftProposer:
         self.runner = runner
         # request id -> (tokens whose draft KV is written, the request's preemption count)
         self.done: dict[str, tuple[int, int]] = {}
+        self.reqs: dict[str, object] = {}  # the requests of the current propose()
+        # the last propose()'s distributions of sampled proposals: {request id: [k, V]}
+        self.probs: dict[str, list[torch.Tensor]] = {}
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.done.pop(rid, None)
+            self.runner.generators.pop(rid, None)
 
     @torch.inference_mode()
     def propose(self, items: list) -> dict[str, list[int]]:
         """{request id: k proposals} for (request, k) pairs (decodes with lookahead slots)."""
         views, want = [], {}
+        self.reqs = {req.request_id: req for req, _ in items}
+        self.probs = {}
         for req, k in items:
             done, pre = self.done.get(req.request_id, (0, -1))
             if pre != req.num_preemptions:  # its blocks were freed: all again
@@ -156,6 +167,20 @@ class DraftProposer:
             v.num_computed_tokens += n
         if hidden is None or not ends:
             return
-        tokens = r.model.compute_logits(hidden).argmax(-1).tolist()
-        for v, t in zip(ends, tokens):
+        logits = r.model.compute_logits(hidden)
+        tokens = logits.argmax(-1)
+        sampled = [i for i, v in enumerate(ends) if not self.reqs[v.request_id].params.greedy]
+        if sampled:  # draws from the draft's distribution, kept for the verification
+            reqs = [self.reqs[ends[i].request_id] for i in sampled]
+            rows = logits[torch.tensor(sampled, device=logits.device)]
+            sb = build_sampling_batch(reqs, logits.device, r.vocab_size, r.generators)
+            apply_logit_bias(rows, sb)
+            q = sampling_probs(rows, sb)
+            noise = torch.empty_like(q).exponential_()
+            for row, gen in sb.generators.items():
+                noise[row].exponential_(generator=gen)
+            tokens[torch.tensor(sampled, device=logits.device)] = (q / noise).argmax(-1)
+            for j, i in enumerate(sampled):
+                self.probs.setdefault(ends[i].request_id, []).append(q[j])
+        for v, t in zip(ends, tokens.tolist()):
             props[v.request_id].append(t)

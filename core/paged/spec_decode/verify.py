@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from paged.sampling.rejection import greedy_verify, padded_rows, rejection_verify
-from paged.sampling.sampler import (
-    SamplingBatch,
-    _top_k_top_p,
-    bitmask_rows,
-    build_sampling_batch,
-    sample,
+from paged.sampling.rejection import (
+    apply_logit_bias,
+    greedy_verify,
+    padded_rows,
+    rejection_verify,
+    sampling_probs,
 )
+from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
 from paged.worker.model_runner import StepHandle
-
-
-def target_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """The normalised distribution `sample` draws from, per row (random rows only)."""
-    scaled = logits / sb.temperature[:, None]
-    if sb.top_k is not None or sb.top_p is not None:
-        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
-    probs = scaled.softmax(dim=-1)
-    if sb.min_p is not None:
-        top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < sb.min_p[:, None] * top, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 class _Group:
@@ -53,16 +41,15 @@ def _logprob_tensors(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
     return out
 
 
-def _verify(runner, reqs: list, logits: torch.Tensor, drafts: list[list[int]]) -> tuple:
+def _verify(runner, reqs: list, logits: torch.Tensor, drafts: list[list[int]], qs: list) -> tuple:
     """Verify one group (all greedy or all random). `logits`: its flat rows (changed in place
-    by the logit bias). Returns (tokens [B, K+1], count [B], logprob tensors or None)."""
+    by the logit bias); `qs`: per request the distributions its proposals were drawn from
+    ([k, V] on the device) or None (point masses). Returns (tokens [B, K+1], count [B],
+    logprob tensors or None)."""
     dev = logits.device
     expanded = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
     sb = build_sampling_batch(expanded, dev, runner.vocab_size, runner.generators)
-    for i, bias in sb.logit_bias:
-        ids = torch.tensor(list(bias.keys()), device=dev)
-        vals = torch.tensor(list(bias.values()), device=dev, dtype=logits.dtype)
-        logits[i].index_add_(0, ids, vals)
+    apply_logit_bias(logits, sb)
     k = max(len(d) for d in drafts)
     draft = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64)
     num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
@@ -74,13 +61,27 @@ def _verify(runner, reqs: list, logits: torch.Tensor, drafts: list[list[int]]) -
         for d in drafts:
             firsts.append(sb.generators.get(row))
             row += len(d) + 1
-        tokens, count = rejection_verify(target_probs(logits, sb), draft, num_draft, None, firsts)
+        q = _draft_probs(drafts, qs, k, logits.shape[1], dev)
+        tokens, count = rejection_verify(sampling_probs(logits, sb), draft, num_draft, q, firsts)
     want = [r.params.logprobs for r in reqs]
     lps = None
     if any(w is not None for w in want):
         top = max(w or 0 for w in want)
         lps = _logprob_tensors(logits, padded_rows(num_draft, k), tokens, top)
     return tokens, count, lps
+
+
+def _draft_probs(drafts: list[list[int]], qs: list, k: int, vocab: int, dev) -> torch.Tensor | None:
+    """[B, K, V]: each request's proposal distributions, one-hot where it has none."""
+    if all(q is None for q in qs):
+        return None
+    out = torch.zeros(len(drafts), k, vocab, device=dev)
+    for b, (d, q) in enumerate(zip(drafts, qs)):
+        if q is not None:
+            out[b, : len(d)] = q
+        else:
+            out[b, torch.arange(len(d), device=dev), torch.tensor(d, device=dev)] = 1.0
+    return out
 
 
 def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> StepHandle:
@@ -122,7 +123,8 @@ def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> Step
         )
         drafts = [list(batch.spec[reqs[i].request_id]) for i in idx]
         sub = [reqs[i] for i in idx]
-        tokens, count, lps = _verify(runner, sub, logits[flat.to(dev)], drafts)
+        qs = [batch.spec_probs.get(r.request_id) for r in sub]
+        tokens, count, lps = _verify(runner, sub, logits[flat.to(dev)], drafts, qs)
         groups.append(_Group(idx, tokens, count, lps))
     return SpecStepHandle(reqs, groups)
 
