@@ -177,3 +177,28 @@ def test_sampled_proposals_keep_the_drafts_distribution(self_draft):
     proposed = s["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
     accepted = s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert proposed > 0 and accepted >= 0.95 * proposed
+
+
+def test_small_token_budget_keeps_every_decode(tiny):
+    """Lookahead slots never take the budget of the decodes after them: with 8 tokens a step
+    and four decoding requests, every running request is in every step."""
+    llm = spec_llm(tiny, {"model": tiny, "num_speculative_tokens": 4}, max_num_batched_tokens=8)
+    eng, sched = llm.engine, llm.engine.scheduler
+    for i, p in enumerate(prompts()[:2] + prompts()[3:]):
+        eng.add_request(str(i), p, GREEDY)
+    while any(r.num_output_tokens == 0 for r in eng.requests.values()):
+        eng.step()  # the prompts, in chunks of 8
+    seen, orig = [], sched.schedule
+
+    def schedule():
+        running = len(sched.running)
+        batch = orig()
+        seen.append((running, len(batch.reqs), sum(batch.lookahead.values())))
+        return batch
+
+    sched.schedule = schedule
+    while eng.has_unfinished():
+        eng.step()
+    assert seen and all(running == n for running, n, _ in seen)
+    assert any(k > 0 for *_, k in seen)  # and some steps still speculate
+    check_pool(llm)

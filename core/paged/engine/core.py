@@ -93,7 +93,8 @@ class EngineCore:
         if config.speculative_config is not None:
             from paged.spec_decode.decoder import SpecDecoder
 
-            draft = getattr(self.executor.driver, "draft", None)  # the driver's draft runner
+            driver = getattr(self.executor, "driver", None)
+            draft = getattr(driver, "draft", None)  # the driver's draft runner
             self.spec = SpecDecoder(config.speculative_config, draft)
             self.scheduler.lookahead = self.spec.lookahead
         # Masks (structured outputs, allowed ids, bad words): compiled off the step loop.

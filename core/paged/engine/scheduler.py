@@ -66,6 +66,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch, preempted = ScheduledBatch(finished_ids=self.finished_ids), False
+        if self.lookahead is not None:  # every decode keeps a token of the budget
+            running = self.running
+            self._decodes_left = sum(r.num_computed_tokens + 1 == r.num_tokens for r in running)
         self.finished_ids = []
         loras: set[int] = set()  # adapters in this step (at most max_loras)
         # Running requests: decodes first (stable sort keeps admission order within each).
@@ -164,7 +167,9 @@ class Scheduler:
             return 0
         if req.num_computed_tokens + 1 != req.num_tokens:
             return 0
-        k = min(self.lookahead(req), budget - 1, self.max_model_len - req.num_tokens - 1)
+        self._decodes_left -= 1  # the decodes after this one keep one token each
+        k = min(self.lookahead(req), budget - 1 - self._decodes_left)
+        k = min(k, self.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         return max(k, 0)

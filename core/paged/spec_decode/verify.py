@@ -33,7 +33,9 @@ def _logprob_tensors(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
     """(chosen [B, K+1], rank [B, K+1], top values, top ids [B, K+1, k]) from raw rows."""
     lp = raw.log_softmax(-1)
     chosen = lp[rows, tokens]
-    rank = (lp[rows] > chosen[..., None]).sum(-1) + 1
+    rank = torch.stack(  # a position at a time: no [B, K + 1, V] temporary
+        [(lp[rows[:, j]] > chosen[:, j, None]).sum(-1) + 1 for j in range(rows.shape[1])], 1
+    )
     out = [chosen, rank]
     if k:
         vals, ids = lp.topk(k, dim=-1)
