@@ -10,7 +10,12 @@
    of 256 tokens) and one 2048-token prefill chunk over a context of that length (varlen), bf16
    vs fp8. Max abs error of the fp8 outputs against the bf16 ones is printed (the cache's own
    rounding, about 2^-4 relative per element, not a kernel error: the CPU tests check that).
-2. The engine: `paged bench throughput` (--num-prompts prompts, --input-len in / --output-len
+2. Accuracy (any device; --accuracy-only runs just this, e.g. on CPU): the default model
+   (SmolLM2-135M-Instruct) in --accuracy-dtype, --acc-prompts chat prompts, greedy
+   --acc-tokens tokens with --kv-cache-dtype auto and fp8: the share of generated tokens equal
+   to auto's up to each prompt's first difference (and prompts identical throughout), and the
+   logprob drift of the chosen tokens over that common prefix (mean and max |fp8 - auto|).
+3. The engine: `paged bench throughput` (--num-prompts prompts, --input-len in / --output-len
    out, dummy weights) with --kv-cache-dtype auto and fp8 under the same --kv-cache-memory: the
    fp8 run holds twice the blocks, so more sequences decode at once at long contexts.
 
@@ -126,6 +131,37 @@ def kernel_bench(contexts: list[int], tokens: int) -> list[dict]:
     return rows
 
 
+def accuracy(args) -> dict:
+    from common import chat_prompts
+
+    from paged import LLM, SamplingParams
+
+    prompts = chat_prompts(args.acc_prompts)
+    params = SamplingParams(temperature=0, max_tokens=args.acc_tokens, logprobs=0)
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(dtype=args.accuracy_dtype, kv_cache_dtype=kv, max_model_len=1024)
+        outs = llm.chat(prompts, params, use_tqdm=False)
+        runs[kv] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        del llm
+    same = total = identical = 0
+    drift: list[float] = []
+    for (ref, ref_lp), (got, got_lp) in zip(runs["auto"], runs["fp8"]):
+        total += len(ref)
+        n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        same += n
+        identical += ref == got
+        drift += [abs(got_lp[i][got[i]].logprob - ref_lp[i][ref[i]].logprob) for i in range(n)]
+    res = {
+        "prompts": len(prompts), "tokens": total, "dtype": args.accuracy_dtype,
+        "matching_prefix_share": same / max(total, 1), "identical_prompts": identical,
+        "logprob_drift_mean": sum(drift) / max(len(drift), 1),
+        "logprob_drift_max": max(drift, default=0.0),
+    }  # fmt: skip
+    print(json.dumps(res), flush=True)
+    return res
+
+
 def engine_bench(args, kv_dtype: str, out: Path) -> dict:
     save = out / f"throughput-{kv_dtype}.json"
     cmd = [sys.executable, "-m", "paged.cli.main", "bench", "throughput", "--model", args.model,
@@ -164,15 +200,34 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--accuracy-only", action="store_true", help="any device, e.g. CPU")
+    ap.add_argument("--accuracy-dtype", default="bfloat16")
+    ap.add_argument("--acc-prompts", type=int, default=64)
+    ap.add_argument("--acc-tokens", type=int, default=64)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("kv_fp8_gpu: needs a CUDA device; nothing run")
-        return
     sys.path.insert(0, str(ROOT / "bench"))
     from common import write_results
 
-    extra: dict = {"gpu": torch.cuda.get_device_name()}
     rows: list[tuple[str, str]] = []
+    if args.accuracy_only or not args.skip_accuracy:
+        acc = accuracy(args) if args.accuracy_only or torch.cuda.is_available() else None
+        if acc is not None:
+            rows.append((f"accuracy: default model, {acc['dtype']}, {acc['prompts']} chat prompts",
+                         f"{acc['matching_prefix_share']:.1%} of {acc['tokens']} greedy tokens "
+                         f"match auto's up to the first difference, {acc['identical_prompts']} "
+                         f"prompts identical; logprob drift mean {acc['logprob_drift_mean']:.4f}"
+                         f" max {acc['logprob_drift_max']:.3f}"))  # fmt: skip
+    if args.accuracy_only:
+        write_results("kv-fp8-gpu.md", "fp8 KV cache accuracy", rows, {"accuracy": acc})
+        print("\n| run | result |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
+        return
+    if not torch.cuda.is_available():
+        print("kv_fp8_gpu: needs a CUDA device; nothing run")
+        return
+    extra: dict = {"gpu": torch.cuda.get_device_name()}
+    if rows:
+        extra["accuracy"] = acc
     if not args.skip_kernels:
         extra["kernels"] = kernel_bench([int(c) for c in args.contexts.split(",")], args.tokens)
         for r in extra["kernels"]:
