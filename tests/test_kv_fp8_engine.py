@@ -100,38 +100,63 @@ def test_logprobs_close_to_unquantized(llama):
     assert sum(diffs) / len(diffs) < 0.25 and max(diffs) < 2.0
 
 
-def test_checkpoint_scales(llama, hf_fp8, tmp_path):
-    """k_scale / v_scale tensors of a checkpoint (per tensor, per KV head) are the cache's
-    scales; with --kv-cache-dtype auto they are unused."""
+SCALES = {0: (torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])),
+          1: (torch.tensor([0.04, 0.04]), torch.tensor([0.02, 0.02]))}  # fmt: skip
+
+
+def with_scales(src: str, dst, k1: torch.Tensor = torch.tensor(0.04)) -> str:
+    """A copy of the checkpoint at `src` with KV cache scales: layer 0 one per KV head, layer 1
+    per tensor (`k1` its k_scale)."""
     from safetensors.torch import load_file, save_file
 
-    path = tmp_path / "with-scales"
-    shutil.copytree(llama, path)
-    weights = load_file(path / "model.safetensors")
-    scales = {0: (torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])),
-              1: (torch.tensor([0.04, 0.04]), torch.tensor([0.02, 0.02]))}  # fmt: skip
-    weights["model.layers.0.self_attn.k_scale"] = scales[0][0]
-    weights["model.layers.0.self_attn.v_scale"] = scales[0][1]
-    weights["model.layers.1.self_attn.k_scale"] = torch.tensor(0.04)  # per tensor
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    weights = load_file(dst / "model.safetensors")
+    weights["model.layers.0.self_attn.k_scale"] = SCALES[0][0]
+    weights["model.layers.0.self_attn.v_scale"] = SCALES[0][1]
+    weights["model.layers.1.self_attn.k_scale"] = k1
     weights["model.layers.1.self_attn.v_scale"] = torch.tensor(0.02)
-    save_file(weights, path / "model.safetensors")
+    save_file(weights, dst / "model.safetensors")
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def scaled(llama, tmp_path_factory) -> tuple[str, list[list[int]]]:
+    """The checkpoint with scales and HF's greedy output with K/V rounded by them."""
+    path = with_scales(llama, tmp_path_factory.mktemp("kv-scales"))
+    return path, hf_greedy_fp8(path, prompts()[2:5], GREEDY.max_tokens, torch.float8_e4m3fn,
+                               SCALES)  # fmt: skip
+
+
+def test_checkpoint_scales(llama, hf_fp8, scaled, tmp_path):
+    """k_scale / v_scale tensors of a checkpoint (per KV head, per tensor) are the cache's
+    scales; with --kv-cache-dtype auto they are unused."""
+    path, hf = scaled
     ps = prompts()[2:5]
-    llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
     runner = llm.engine.runner
     for i, cache in enumerate(runner.kv_caches):
         got = runner.backend.kv_scales(cache)
-        assert all(torch.equal(g, w) for g, w in zip(got, scales[i]))
-    hf = hf_greedy_fp8(str(path), ps, GREEDY.max_tokens, torch.float8_e4m3fn, scales)
+        assert all(torch.equal(g, w) for g, w in zip(got, SCALES[i]))
     assert tokens(llm, ps) == hf
     assert hf != hf_fp8[2:5]  # the scales change the rounding
-    auto = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    auto = LLM(path, dtype="float32", num_kv_blocks=64)
     plain = LLM(llama, dtype="float32", num_kv_blocks=64)
     assert tokens(auto, ps) == tokens(plain, ps)
 
-    weights["model.layers.1.self_attn.k_scale"] = torch.ones(3)
-    save_file(weights, path / "model.safetensors")
+    bad = with_scales(llama, tmp_path / "bad", k1=torch.ones(3))
     with pytest.raises(ValueError, match="layer 1 k_scale: 3 values"):
-        LLM(str(path), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+        LLM(bad, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)
+
+
+def test_tensor_parallel_shards_per_head_scales(scaled):
+    """Two ranks (gloo, one KV head each): each rank's cache takes its own head's scale."""
+    path, hf = scaled
+    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        assert tokens(llm, prompts()[2:5]) == hf
+    finally:
+        llm.engine.shutdown()
 
 
 def test_platform_without_fp8_refused(llama, monkeypatch):
