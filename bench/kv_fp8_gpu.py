@@ -47,7 +47,7 @@ def cache(gen: torch.Generator, blocks: int, dtype: torch.dtype) -> torch.Tensor
     return kv if dtype == torch.bfloat16 else kv.to(dtype)  # scale 1.0: |x| << 448
 
 
-def kernel_bench(contexts: list[int], tokens: int) -> list[dict]:
+def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, int]]) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
     from paged.kernels import (
@@ -97,6 +97,17 @@ def kernel_bench(contexts: list[int], tokens: int) -> list[dict]:
             nbytes[dt] = 2 * batch * ctx * HKV * D * kv.element_size()
         err = (outs[FP8] - outs[torch.bfloat16]).abs().max().item()
         record("decode", f"B={batch} ctx={ctx} splits={splits}", times, nbytes, err)
+        for bn, warps, stages in tiles:  # fp8 launch tiles to try against the defaults
+            kv8 = base.to(FP8)
+            run = partial(paged_attention_decode, q, kv8[0], kv8[1], torch.empty_like(q), seq,
+                          table, D**-0.5, ctx, splits, ws, block_n=bn, num_warps=warps,
+                          num_stages=stages, **scales[FP8])  # fmt: skip
+            ms = do_bench_cudagraph(run, return_mode="median")
+            rows.append({"kernel": "decode-fp8-tiles", "shape": f"B={batch} ctx={ctx}",
+                         "block_n": bn, "num_warps": warps, "num_stages": stages,
+                         "fp8_us": ms * 1e3})  # fmt: skip
+            print(f"  fp8 block_n={bn} warps={warps} stages={stages}: {ms * 1e3:9.1f} us "
+                  f"({nbytes[FP8] / ms / 1e6:6.0f} GB/s)", flush=True)  # fmt: skip
 
     n = 256  # cache write of one decode step's tokens
     k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -190,6 +201,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--tokens", type=int, default=262144, help="batch x context per decode row")
+    ap.add_argument(
+        "--fp8-tiles",
+        default="256/4/3,128/8/3,256/8/2",
+        help="fp8 decode launch tiles to time too: block_n/num_warps/num_stages,...",
+    )
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=2048)
@@ -229,8 +245,12 @@ def main() -> None:
     if rows:
         extra["accuracy"] = acc
     if not args.skip_kernels:
-        extra["kernels"] = kernel_bench([int(c) for c in args.contexts.split(",")], args.tokens)
+        tiles = [tuple(int(x) for x in t.split("/")) for t in args.fp8_tiles.split(",") if t]
+        contexts = [int(c) for c in args.contexts.split(",")]
+        extra["kernels"] = kernel_bench(contexts, args.tokens, tiles)
         for r in extra["kernels"]:
+            if r["kernel"] == "decode-fp8-tiles":
+                continue
             gbps = f", {r['bf16_GBps']:.0f} / {r['fp8_GBps']:.0f} GB/s" if "fp8_GBps" in r else ""
             rows.append((f"{r['kernel']} {r['shape']}",
                          f"bf16 {r['bf16_us']:.1f} us, fp8 {r['fp8_us']:.1f} us "
