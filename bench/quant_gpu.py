@@ -13,6 +13,9 @@
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
    with `--gguf FILE|default` also that GGUF with its Q4 blocks kept 4-bit vs dense.
+3. fp8 accuracy (the issue's floor): the default model in bf16 and with --quantization fp8,
+   64 chats, 64 greedy tokens: tokens equal position by position (floor 90 %), identical
+   outputs, and the fp8 engine's logprob of bf16's tokens against bf16's own (drift).
 
 Needs CUDA (exits cleanly without it). Results: bench/results/quant-gpu.md (+ JSON twin).
 """
@@ -137,12 +140,80 @@ def engine_bench(args, variant: str, out: Path) -> dict:
     return res
 
 
+def accuracy_child(model: str, variant: str, n: int, tokens: int, ref: str | None, out: str):
+    """One engine (bf16, or fp8 at load): greedy chat outputs, and the logprob this engine
+    gives each token of the bf16 outputs (`ref`: the bf16 child's file; None: its own)."""
+    from common import chat_prompts
+
+    from paged import LLM, SamplingParams
+    from paged.config import platform_options
+
+    quant = None if variant == "none" else variant
+    # bf16 is the dense model: a GGUF's blocks are not kept 4-bit / 8-bit on any platform
+    dense = {k: False for k in ("cuda_gguf_int4", "cpu_gguf_blocks") if k in platform_options()}
+    llm = LLM(model, dtype="bfloat16", quantization=quant, max_model_len=2048, **dense)
+    greedy = SamplingParams(temperature=0, max_tokens=tokens)
+    outs = llm.chat(chat_prompts(n), greedy, use_tqdm=False)
+    res = {"tokens": [o.outputs[0].token_ids for o in outs]}
+    if ref is None:
+        res["prompts"] = [o.prompt_token_ids for o in outs]
+        seqs = [(p, t) for p, t in zip(res["prompts"], res["tokens"])]
+    else:
+        base = json.loads(Path(ref).read_text())
+        seqs = list(zip(base["prompts"], base["tokens"]))
+    score = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    scored = llm.generate([{"prompt_token_ids": p + t} for p, t in seqs], score, use_tqdm=False)
+    res["logprobs"] = [
+        [e[tok].logprob for tok, e in zip(t, o.prompt_logprobs[len(p):])]
+        for (p, t), o in zip(seqs, scored)
+    ]  # fmt: skip
+    Path(out).write_text(json.dumps(res))
+
+
+def accuracy(args, out: Path) -> dict:
+    """fp8 at load against bf16 on the same model: greedy tokens that agree (position by
+    position), prompts whose output is identical, and the logprob drift on bf16's tokens."""
+    files, cmds = {}, []
+    for v in ("none", "fp8"):
+        files[v] = out / f"accuracy-{v}.json"
+        cmd = [sys.executable, __file__, "--_accuracy", v, str(files[v]), "--acc-model",
+               args.acc_model, "--acc-prompts", str(args.acc_prompts), "--acc-tokens",
+               str(args.acc_tokens)]  # fmt: skip
+        if v != "none":
+            cmd += ["--_accuracy-ref", str(files["none"])]
+        cmds.append(shlex.join(cmd))
+        print(f"$ {cmds[-1]}", flush=True)
+        p = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, cwd=ROOT)
+        if p.returncode:
+            return {"error": (p.stdout + p.stderr)[-2000:], "commands": cmds}
+    a, b = (json.loads(files[v].read_text()) for v in ("none", "fp8"))
+    same = total = identical = 0
+    for x, y in zip(a["tokens"], b["tokens"]):
+        n = max(len(x), len(y))
+        same += sum(i < len(x) and i < len(y) and x[i] == y[i] for i in range(n))
+        total += n
+        identical += x == y
+    drift = [abs(p - q) for u, v in zip(a["logprobs"], b["logprobs"]) for p, q in zip(u, v)]
+    return dict(model=args.acc_model, prompts=len(a["tokens"]), token_match=same / max(total, 1),
+                identical_outputs=identical, mean_logprob_drift=sum(drift) / max(len(drift), 1),
+                max_logprob_drift=max(drift, default=0.0), commands=cmds)  # fmt: skip
+
+
 def _f(v, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def report(gemms: list[dict], engine: list[dict], args) -> str:
+def report(gemms: list[dict], engine: list[dict], args, acc: dict | None = None) -> str:
     lines = []
+    if acc and "token_match" in acc:
+        ok = "met" if acc["token_match"] >= 0.9 else "NOT met"
+        lines += [f"\n### fp8 accuracy: {acc['model']}, {acc['prompts']} chats, greedy\n",
+                  f"- tokens equal to bf16's, position by position: {acc['token_match']:.1%} "
+                  f"(floor 90 %: {ok}); identical outputs: {acc['identical_outputs']}",
+                  f"- logprob drift on bf16's tokens: mean {acc['mean_logprob_drift']:.4f}, "
+                  f"max {acc['max_logprob_drift']:.3f} nats"]  # fmt: skip
+    elif acc:
+        lines += ["\n### fp8 accuracy: failed\n", "```", acc.get("error", "")[-1500:], "```"]
     if gemms:
         lines += [f"\n### GEMMs of one step ({LAYERS} layers x qkv/o/gate_up/down), median\n",
                   "| M | variant | one layer us | step ms | weight GB/s |",
@@ -188,7 +259,26 @@ def main() -> int:
     )
     a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
     a("--timeout", type=float, default=900)
+    a("--skip-accuracy", action="store_true")
+    a(
+        "--acc-model",
+        default="default",
+        help="model of the fp8 accuracy check (default: the default model, SmolLM2-135M-Instruct)",
+    )
+    a("--acc-prompts", type=int, default=64)
+    a("--acc-tokens", type=int, default=64)
+    a("--_accuracy", nargs=2, default=None, help=argparse.SUPPRESS)  # child: variant, out
+    a("--_accuracy-ref", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.acc_model == "default":
+        from paged.model.loader import default_model_path
+
+        args.acc_model = default_model_path()
+    if args._accuracy:
+        variant, out = args._accuracy
+        accuracy_child(args.acc_model, variant, args.acc_prompts, args.acc_tokens,
+                       args._accuracy_ref, out)  # fmt: skip
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
@@ -200,7 +290,10 @@ def main() -> int:
         args.gguf = default_model_path()
 
     gemms = [] if args.skip_gemm else gemm_bench([int(r) for r in args.gemm_rows.split(",")])
-    engine = []
+    engine, acc = [], None
+    if not args.skip_accuracy:
+        with tempfile.TemporaryDirectory() as tmp:
+            acc = accuracy(args, Path(tmp))
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as tmp:
             variants = args.variants.split(",")
@@ -208,7 +301,7 @@ def main() -> int:
                 variants += ["gguf-int4", "gguf-dense"]
             for v in variants:
                 engine.append(engine_bench(args, v, Path(tmp)))
-    text = report(gemms, engine, args)
+    text = report(gemms, engine, args, acc)
     print(text)
     rows = [(f"M={g['rows']} {g['variant']}", f"step {g['step_ms']:.2f} ms, "
              f"{g['gb_per_s']:.0f} GB/s") for g in gemms]  # fmt: skip
@@ -217,8 +310,11 @@ def main() -> int:
         rows.append((f"--quantization {e['variant']}",
                      f"decode {_f(lat.get('mean_tpot_ms'))} ms/token, "
                      f"{_f(tp.get('total_tokens_per_s'), '.0f')} total tok/s"))  # fmt: skip
+    if acc and "token_match" in acc:
+        rows.append(("fp8 vs bf16 greedy tokens", f"{acc['token_match']:.1%} equal, logprob "
+                     f"drift mean {acc['mean_logprob_drift']:.4f}"))  # fmt: skip
     write_results("quant-gpu.md", f"Quantized weights, {args.model}", rows,
-                  {"gemms": gemms, "engine": engine, "report": text})  # fmt: skip
+                  {"gemms": gemms, "engine": engine, "accuracy": acc, "report": text})  # fmt: skip
     return 0
 
 
