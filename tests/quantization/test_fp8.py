@@ -177,3 +177,19 @@ def test_fp8_block_checkpoint_tensor_parallel_shards(tiny_models, tmp_path):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.engine.shutdown()
+
+
+def test_quantized_tensor_of_a_dense_layer_refused(tiny_models, tmp_path):
+    """A checkpoint that quantizes a layer paged keeps dense (here lm_head) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    rewrite(tiny_models["llama"], str(tmp_path / "q"), _ct_quant("channel"), _ct_config("channel"))
+
+    f = str(tmp_path / "q" / "model.safetensors")
+    tensors = load_file(f)
+    head = tensors.pop("lm_head.weight")
+    parts = _ct_quant("channel")("lm_head", head)
+    tensors |= {"lm_head.weight": parts["weight"], "lm_head.weight_scale": parts["weight_scale"]}
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'lm_head.weight_scale' belongs to a layer paged keeps"):
+        _llm(str(tmp_path / "q"))

@@ -165,6 +165,11 @@ def convert_checkpoint(
         prefix, _, suffix = name.rpartition(".")
         m = _LAYER_TAIL.search(prefix)
         if m is None or m.group(1) not in targets or suffix not in method.suffixes:
+            if suffix in method.suffixes and suffix != "weight":  # e.g. a quantized lm_head
+                raise ModelLoadError(
+                    f"quantization {method.name}: {name!r} belongs to a layer paged keeps in "
+                    "the model dtype (only the decoder layers' projections are quantized)"
+                )
             yield name, tensor
             continue
         group = pending.setdefault(prefix, {})
