@@ -42,9 +42,18 @@ def hf_fp8(llama) -> list[list[int]]:
     return hf_greedy_fp8(llama, prompts(), GREEDY.max_tokens, torch.float8_e4m3fn)
 
 
-def test_unknown_value_refused():
+def test_unknown_value_refused(capsys):
+    import argparse
+
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert EngineConfig.from_cli_args(parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])
+                                      ).kv_cache_torch_dtype == torch.float8_e5m2  # fmt: skip
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("dtype,ratio", [("bfloat16", 2), ("float32", 4)])
