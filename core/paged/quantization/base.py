@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-# Checkpoint quantization formats name the projections this way; experts and routers never.
+# A decoder layer's tensor name after its index: self_attn.q_proj, mlp.experts.3.up_proj, ...
 _LAYER_TAIL = re.compile(r"(?:^|\.)layers\.\d+\.(.+)$")
 
 
