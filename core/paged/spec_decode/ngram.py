@@ -4,21 +4,27 @@ sequence's newest n tokens (n from prompt_lookup_max down to prompt_lookup_min),
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to `k` tokens proposed to follow `tokens` (prompt + output), [] without a match.
-    The longest suffix n-gram wins; among its earlier occurrences the most recent."""
+    The longest suffix n-gram wins; among its earlier occurrences the most recent. Only the
+    positions holding the newest token are candidates, narrowed one token back at a time."""
     t = len(tokens)
     if k <= 0 or t < min_n + 1:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, t - 1), min_n - 1, -1):
-        # windows starting at 0 .. t-n-1 (the suffix itself excluded)
-        windows = sliding_window_view(arr[: t - 1], n)
-        hits = np.flatnonzero((windows == arr[t - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+    ends = np.flatnonzero(arr[: t - 1] == arr[-1])  # earlier ends of a 1-gram match
+    found: list[np.ndarray] = [ends]  # found[m]: ends matching the newest m + 1 tokens
+    for m in range(1, min(max_n, t - 1)):
+        prev = found[-1]
+        prev = prev[prev >= m]
+        nxt = prev[arr[prev - m] == arr[t - 1 - m]]
+        if not nxt.size:
+            break
+        found.append(nxt)
+    for n in range(len(found), min_n - 1, -1):
+        if n <= len(found) and found[n - 1].size:
+            start = int(found[n - 1][-1]) + 1
             return arr[start : start + k].tolist()
     return []
