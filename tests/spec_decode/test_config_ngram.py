@@ -77,3 +77,24 @@ def test_ngram_lookup():
     assert ngram_propose([4, 4, 4], 5, 1, 2) == [4]
     assert ngram_propose([1, 2, 3], 3, 1, 3) == []
     assert ngram_propose([1, 2, 3, 1], 3, 2, 3) == []  # only 1-grams match: below the minimum
+
+
+def _reference(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The definition, by brute force: longest suffix n-gram, most recent earlier match."""
+    t = len(tokens)
+    for n in range(min(hi, t - 1), lo - 1, -1):
+        for s in range(t - n - 1, -1, -1):
+            if tokens[s : s + n] == tokens[t - n :]:
+                return tokens[s + n : s + n + k] if k > 0 else []
+    return []
+
+
+def test_ngram_lookup_against_brute_force():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        toks = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(1, 30))]
+        k, lo = rng.randint(0, 4), rng.randint(1, 3)
+        hi = lo + rng.randint(0, 3)
+        assert ngram_propose(toks, k, lo, hi) == _reference(toks, k, lo, hi), (toks, k, lo, hi)
