@@ -202,3 +202,19 @@ def test_small_token_budget_keeps_every_decode(tiny):
     assert seen and all(running == n for running, n, _ in seen)
     assert any(k > 0 for *_, k in seen)  # and some steps still speculate
     check_pool(llm)
+
+
+def test_context_length_inside_a_run(tiny):
+    """Proposals never run past max_model_len: generation up to the context ends as plain."""
+    ps = [p[:n] for p, n in zip(prompts()[2:], (40, 50, 37))]
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    plain = LLM(tiny, dtype="float32", num_kv_blocks=32, max_model_len=60)
+    llm = spec_llm(tiny, {"model": tiny, "num_speculative_tokens": 4}, num_kv_blocks=32,
+                   max_model_len=60)  # fmt: skip
+    want = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in plain.generate(ps, params, use_tqdm=False)]  # fmt: skip
+    got = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in llm.generate(ps, params, use_tqdm=False)]  # fmt: skip
+    assert got == want and [len(t) for t, _ in got] == [60 - len(p) for p in ps]
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+    check_pool(llm)
