@@ -11,6 +11,11 @@ for checking, though never faster). Each row: output tokens/s (best of --repeat 
 a warm-up), the proposals' acceptance rate, tokens per verification (1 + accepted / drafts),
 and whether the greedy outputs equal plain decoding's. The floor (issue 15): n-gram at batch 1
 on the default model in bf16 >= 1.8x plain. Appends to bench/results/spec_decode.md.
+
+On a GPU: `python bench/spec_decode.py --dtype bfloat16` (the floor's run); the draft path's
+cost in real shapes: `--model llama-3.1-8b --load-format dummy --draft llama-3.2-1b` (random
+weights: acceptance means nothing there, the time per verification does). On the CPU, a
+shared machine: OMP_NUM_THREADS=1 (bench/results/spec_decode.md says why).
 """
 
 from __future__ import annotations
