@@ -318,11 +318,6 @@ def _check_speculative(c: EngineConfig) -> None:
     spec = c.speculative_config = SpeculativeConfig.parse(c.speculative_config)
     if spec is None:
         return
-    if c.async_scheduling:
-        raise ValueError(
-            "async_scheduling: not supported with speculative_config (steps that verify "
-            "proposals resolve before the next is scheduled)"
-        )
     if spec.method == "draft_model" and c.world_size > 1:
         raise ValueError(
             "speculative_config: a draft model needs tensor_parallel_size and "

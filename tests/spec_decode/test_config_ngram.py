@@ -55,9 +55,6 @@ def test_refusals_name_the_key(value, field):
 
 
 def test_refused_combinations():
-    ngram = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(speculative_config=ngram, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(
             speculative_config={"model": "x", "num_speculative_tokens": 2},

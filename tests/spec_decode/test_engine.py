@@ -218,3 +218,23 @@ def test_context_length_inside_a_run(tiny):
     assert got == want and [len(t) for t, _ in got] == [60 - len(p) for p in ps]
     assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
     check_pool(llm)
+
+
+def test_overlapped_steps(tiny, plain):
+    """--async-scheduling with speculation: steps where a request may speculate resolve the
+    step in flight first; the others overlap (here a request under min_tokens, which decodes
+    plainly, alone at the end); outputs as plain decoding's."""
+    ps = prompts()
+    long = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
+    params = [GREEDY, GREEDY, long, GREEDY, GREEDY]
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, params, use_tqdm=False)]
+    for spec in (NGRAM, {"model": tiny, "num_speculative_tokens": 3}):
+        llm = spec_llm(tiny, spec, async_scheduling=True)
+        eng, overlapped = llm.engine, []
+        can = eng._can_overlap
+        eng._can_overlap = lambda can=can, seen=overlapped: seen.append(can()) or seen[-1]
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        assert got == want
+        assert True in overlapped and False in overlapped
+        assert spec_stats(llm)["spec_decode_num_drafts"] > 0
+        check_pool(llm)

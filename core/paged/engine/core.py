@@ -57,8 +57,6 @@ class EngineCore:
         self.platform.configure(config.platform_options)
         self.hf_config, self.source = load_model_config(config)
         self.config = config = resolve_config(config, self.platform, self.hf_config)
-        if config.speculative_config is not None:  # verification steps are not overlapped
-            self.config = config = dataclasses.replace(config, async_scheduling=False)
         # --runner: a pooling model is built without its LM head (docs/models.md, Embeddings)
         weights = None if config.load_format == "dummy" else self.source  # dummy: drawn, head too
         runner = resolve_runner(config.runner, self.hf_config, weights)
@@ -306,9 +304,13 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """Penalties and bad words read the output tokens on the host: those steps wait for
-        the last one. Grammars take the token in flight early (_bitmask)."""
+        the last one. Grammars take the token in flight early (_bitmask). So do steps where a
+        request may speculate: its proposals follow its last token, on the host."""
+        spec = self.spec
         return self.runner.overlap and not any(
-            r.params.needs_penalties or StructuredOutputs.needs_sync(r.params)
+            r.params.needs_penalties
+            or StructuredOutputs.needs_sync(r.params)
+            or (spec is not None and spec.lookahead(r))
             for r in self.scheduler.running
         )
 

@@ -128,7 +128,10 @@ def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> Step
         qs = [batch.spec_probs.get(r.request_id) for r in sub]
         tokens, count, lps = _verify(runner, sub, logits[flat.to(dev)], drafts, qs)
         groups.append(_Group(idx, tokens, count, lps))
-    return SpecStepHandle(reqs, groups)
+    first = torch.empty(len(reqs), dtype=torch.int64, device=dev)  # read by an overlapped
+    for g in groups:  # next step where a plain request's newest token is still pending
+        first[torch.tensor(g.idx, device=dev)] = g.tokens[:, 0]
+    return SpecStepHandle(reqs, groups, first)
 
 
 class SpecStepHandle(StepHandle):
@@ -136,8 +139,8 @@ class SpecStepHandle(StepHandle):
     (1 + accepted in all). result() gives the first token of each, as any StepHandle;
     `extra` the rest: {request id: (tokens, logprob entries, ranks)}."""
 
-    def __init__(self, reqs: list, groups: list[_Group]) -> None:
-        super().__init__(reqs, None, [r.params.logprobs for r in reqs], None)
+    def __init__(self, reqs: list, groups: list[_Group], first: torch.Tensor) -> None:
+        super().__init__(reqs, first, [r.params.logprobs for r in reqs], None)
         self.groups = groups
         self.extra: dict[str, tuple[list[int], list[dict[int, float]], list[int]]] = {}
 
