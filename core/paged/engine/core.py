@@ -19,8 +19,8 @@ from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.executor import WorkerFailure, create_executor
-from paged.model.kv_window import kv_window
 from paged.lora.request import LoRARequest
+from paged.model.kv_window import kv_window
 from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
