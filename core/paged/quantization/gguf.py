@@ -9,6 +9,7 @@ and other types stay dense."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,16 +60,23 @@ def int4_layer(
     return layer
 
 
-def use_gguf_int4(model: nn.Module, source, hf_config) -> int:
-    """Replace each dense linear layer of `model` whose every piece is a Q4_0/Q4_1 tensor of
-    the GGUF model `source` by an int4 layer (stacked q/k/v and gate/up rows concatenated).
-    Returns how many were replaced."""
+def gguf_linear_blocks(
+    model: nn.Module,
+    source,
+    hf_config,
+    want: Callable[[nn.Module], bool],
+    tied_head: bool = False,
+) -> Iterator[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(module path, module, codes, d, m) for each module of `model` that `want`s them and
+    whose pieces are all block tensors of the GGUF model `source` (iter_weight_blocks' form:
+    weight = code * d + m), stacked q/k/v and gate/up rows concatenated in stacking order.
+    `tied_head`: the embedding's blocks are the output head's too."""
     from paged.model.loader import iter_weight_blocks
 
-    dev = next(model.parameters()).device
     quant = {}
     for name, *arrays in iter_weight_blocks(source, hf_config):
-        quant[name.removeprefix("model.").removesuffix(".weight")] = arrays
+        name = name.removeprefix("model.").removesuffix(".weight")
+        quant["lm_head" if tied_head and name == "embed_tokens" else name] = arrays
     stacked = getattr(model, "stacked", {})
     pieces: dict[str, list[str]] = {}  # our module -> the HF modules stacked in it, in order
     for hf in quant:
@@ -78,23 +86,39 @@ def use_gguf_int4(model: nn.Module, source, hf_config) -> int:
                 target = hf[: -len(frag)] + into
         pieces.setdefault(target, []).append(hf)
     order = {frag: idx for frag, (_, idx) in stacked.items()}
-    count = 0
     for target, hfs in pieces.items():
         try:
             mod = model.get_submodule(target)
         except AttributeError:
             continue
-        if type(mod) is not nn.Linear:  # the tied head, or already quantized
+        if not want(mod):
             continue
         hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
-        codes, d, m = (torch.cat([quant[h][i] for h in hfs]).to(dev) for i in range(3))
+        codes, d, m = (torch.cat([quant[h][i] for h in hfs]) for i in range(3))
+        yield target, mod, codes, d, m
+
+
+def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_name, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+
+
+def use_gguf_int4(model: nn.Module, source, hf_config) -> int:
+    """Replace each dense linear layer of `model` whose every piece is a Q4_0/Q4_1 tensor of
+    the GGUF model `source` by an int4 layer (stacked q/k/v and gate/up rows concatenated).
+    Returns how many were replaced."""
+    dev = next(model.parameters()).device
+    count = 0
+    # not the tied head, nor a layer already quantized
+    for target, mod, codes, d, m in gguf_linear_blocks(
+        model, source, hf_config, lambda mod: type(mod) is nn.Linear
+    ):
         if codes.shape != mod.weight.shape:
             continue  # a stacked layer with a piece in another format
-        layer = int4_layer(codes, d, m, mod.bias)
+        layer = int4_layer(codes.to(dev), d.to(dev), m.to(dev), mod.bias)
         if layer is None:
             continue
-        parent_name, _, attr = target.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        replace_module(model, target, layer)
         count += 1
     log.info("%d linear layers keep the GGUF's 4-bit blocks (int4 kernels)", count)
     return count

@@ -135,41 +135,19 @@ def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
     head its embedding's). Returns how many layers were replaced (none without the C++
     kernels or their CPU features)."""
     from paged.model.llama import TiedHead
-    from paged.model.loader import iter_weight_blocks
+    from paged.quantization.gguf import gguf_linear_blocks, replace_module
 
     if not gguf_blocks_available():
         return 0
     tied = getattr(model, "tied", False)
-    quant = {}
-    for name, *arrays in iter_weight_blocks(source, hf_config):
-        name = name.removeprefix("model.").removesuffix(".weight")
-        quant["lm_head" if tied and name == "embed_tokens" else name] = arrays
-    stacked = getattr(model, "stacked", {})
-    pieces: dict[str, list[str]] = {}  # our module -> the HF modules stacked in it, in order
-    for hf in quant:
-        target = hf
-        for frag, (into, _) in stacked.items():
-            if hf.endswith("." + frag):
-                target = hf[: -len(frag)] + into
-        pieces.setdefault(target, []).append(hf)
-    order = {frag: idx for frag, (_, idx) in stacked.items()}
     count = 0
-    for target, hfs in pieces.items():
-        try:
-            mod = model.get_submodule(target)
-        except AttributeError:
-            continue
-        hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
-        codes, d, m = (torch.cat([quant[h][i] for h in hfs]) for i in range(3))
-        weight = getattr(mod, "weight", None)
-        if not isinstance(mod, (nn.Linear, TiedHead)):  # e.g. already quantized (--quantization)
-            continue
-        if weight is None or codes.shape != weight.shape or codes.shape[0] % 16:
+    # not a layer already quantized (--quantization)
+    for target, mod, codes, d, m in gguf_linear_blocks(
+        model, source, hf_config, lambda mod: isinstance(mod, (nn.Linear, TiedHead)), tied
+    ):
+        if codes.shape != mod.weight.shape or codes.shape[0] % 16:
             continue  # a stacked layer with a piece in another format, or an odd shape: dense
-        bias = getattr(mod, "bias", None)
-        parent_name, _, attr = target.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, GgufBlockLinear(codes, d, m, bias))
+        replace_module(model, target, GgufBlockLinear(codes, d, m, getattr(mod, "bias", None)))
         count += 1
     log.info("%d linear layers compute from their GGUF blocks with 8-bit activations", count)
     return count
