@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from paged.kernels.fp8_gemm import fp8_gemm, quantize_fp8_rows
+from paged.kernels.fp8_gemm import fp8_linear as triton_fp8_linear
+from paged.kernels.fp8_gemm import quantize_fp8_rows
 
 
 def scaled_mm_available() -> bool:
@@ -25,19 +26,18 @@ def fp8_linear(
     group_k: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    n, k = weight.shape
+    rowwise = scale.shape[1] == 1 and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+    if not rowwise or x.numel() == 0:
+        return triton_fp8_linear(x, weight, scale, group_k, bias)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n, k = weight.shape
     q, s = quantize_fp8_rows(x2)
-    rowwise = scale.shape[1] == 1 and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
-    if not rowwise or q.shape[0] == 0:
-        y = fp8_gemm(q, s, weight, scale, group_k, bias, x.dtype)
-    else:
-        # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants
-        y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, n),
-                             out_dtype=torch.bfloat16)  # fmt: skip
-        if bias is not None:
-            y = y + bias
+    # weight [N, K] row-major is the column-major [K, N] operand cuBLASLt wants
+    y = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scale.view(1, n),
+                         out_dtype=torch.bfloat16)  # fmt: skip
+    if bias is not None:
+        y = y + bias
     return y.view(*shape[:-1], n)
