@@ -68,16 +68,6 @@ def hf_models(lora_model, adapters):
 @pytest.fixture(scope="session")
 def hf_greedy():
     """hf_greedy(model, prompt ids, n): HF's forward with its KV cache, greedy, n tokens."""
+    from test_hf_parity import hf_greedy
 
-    def greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-        out, ids, past = [], torch.tensor([prompt_ids]), None
-        with torch.inference_mode():
-            for _ in range(n):
-                res = model(ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                tok = int(res.logits[0, -1].argmax())
-                out.append(tok)
-                ids = torch.tensor([[tok]])
-        return out
-
-    return greedy
+    return hf_greedy

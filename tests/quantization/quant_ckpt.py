@@ -59,18 +59,6 @@ def dequantized_model(src: str, dst: str, ref: dict[str, torch.Tensor]) -> str:
     return dst
 
 
-def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    out, ids, past = [], torch.tensor([prompt_ids]), None
-    with torch.inference_mode():
-        for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            ids = torch.tensor([[tok]])
-    return out
-
-
 def hf_logprobs(path: str, prompt: list[int], fp8: str | None = None) -> torch.Tensor:
     """[len - 1, vocab] float32 log-probabilities of HF's forward (row j predicts token j+1).
     `fp8`: the projections' inputs quantized to fp8 per token, as paged's fp8 linears do,

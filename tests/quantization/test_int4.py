@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 import transformers as tf
-from quant_ckpt import QCONFIG, hf_greedy
+from quant_ckpt import QCONFIG
+from test_hf_parity import hf_greedy
 
 from paged import LLM, SamplingParams
 from paged.quantization import QuantLinear

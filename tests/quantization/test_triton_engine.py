@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from quant_ckpt import hf_greedy, hf_logprobs, prompt_logprob_drift
+from quant_ckpt import hf_logprobs, prompt_logprob_drift
 from test_fp8 import MATCH, PROMPT
+from test_hf_parity import hf_greedy
 
 from paged import LLM, SamplingParams
 from paged_cpu.platform import CpuPlatform
