@@ -160,6 +160,16 @@ def test_chat_template_kwargs_and_continue_final_message(smollm):
     assert out.prompt.endswith("Hello th")
 
 
+def test_chat_tools_reach_the_template(smollm):
+    """LLM.chat(tools=...) hands the definitions to the template, as vLLM's does."""
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    conv = [{"role": "user", "content": "hi"}]
+    out = smollm.chat(conv, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                      tools=tools)[0]  # fmt: skip
+    assert out.prompt == "[get_weather]hi"
+
+
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory, tiny_models) -> str:
     """A tiny Llama with 12 tokens: every 3-token continuation can be enumerated."""

@@ -155,9 +155,12 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """`continue_final_message`: leave the last (assistant) message open for the model to
-        continue (with add_generation_prompt=False); `chat_template_kwargs`: template variables."""
+        continue (with add_generation_prompt=False); `chat_template_kwargs`: template variables;
+        `tools`: OpenAI-style tool definitions the template shows the model (as vLLM's, the
+        output is the raw text: parse tool calls with paged.server.tool_parsers)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt=False")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -169,6 +172,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=load_chat_template(chat_template) or self.chat_template,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
