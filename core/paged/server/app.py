@@ -6,10 +6,12 @@ import asyncio
 import secrets
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 
 import paged
 from paged.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -33,6 +35,12 @@ from paged.server.serving_embedding import EmbeddingRequest, create_embedding
 from paged.server.serving_responses import ResponseStore
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+STATIC_DIR = Path(__file__).with_name("static")  # the chat page (GET /) and its assets
+
+
+def is_open(path: str) -> bool:
+    """Paths served without the API key: the probes, the chat page and its static files."""
+    return path in OPEN_PATHS or path == "/" or path.startswith("/static/")
 
 
 @dataclass
@@ -68,7 +76,7 @@ class Guard:
         self.key = key.encode() if key else b""  # Anthropic's x-api-key header
 
     def _check(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
-        if path in OPEN_PATHS:
+        if is_open(path):
             if path == "/metrics" and self.state.metrics_require_key:
                 return self._auth(headers)
             return None
@@ -155,7 +163,7 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        counted = path not in OPEN_PATHS
+        counted = not is_open(path)
         self.state.inflight += counted
         try:
             await self.app(scope, replay, send)
@@ -188,6 +196,12 @@ def build_app(state: ServerState) -> Any:
     sv = state.serving
     app = FastAPI(title="paged", version=paged.__version__)
     install_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> Response:
+        return FileResponse(STATIC_DIR / "chat.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/health")
     async def health() -> Response:

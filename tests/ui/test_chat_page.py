@@ -1,0 +1,268 @@
+"""The chat page (GET /) in a real headless Chromium driven by Selenium, against a live server
+on the default model started with --api-key and --root-path: the page asks for the key,
+streams a reply that matches the API's, shows model, platform and speed, keeps the
+conversation over a reload, stops a long reply, and works behind a proxy that strips the root
+path. Skipped only when Debian's chromium / chromium-driver are missing.
+
+PAGED_UI_SCREENSHOT=docs/img/chat-page.png refreshes the screenshot of docs/chat-page.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prefix_proxy import prefix_proxy
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+    pytest.skip(
+        f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+KEY = "ui-key-42"
+ROOT = "/chat"  # --root-path: the server is reachable directly and behind prefix_proxy
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHROME_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--window-size=1280,820",
+]  # fmt: skip
+SYSTEM = "You are a helpful assistant."
+# The last assistant message as the page shows it: [state, deltas rendered, text, meta line].
+LAST_REPLY = """
+const el = [...document.querySelectorAll('.msg.assistant')].pop();
+return el ? [el.dataset.state, +el.dataset.deltas, el.querySelector('.body').innerText,
+             el.querySelector('.meta').innerText] : null;
+"""
+
+
+def server_helpers():
+    """tests/server/conftest.py as a module (start_server, stop_server, ENGINE_ARGS)."""
+    name = "paged_server_conftest"  # the name tests/server/tool_model.py loads it under
+    if name not in sys.modules:
+        path = Path(__file__).parents[1] / "server" / "conftest.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    h = server_helpers()
+    log = tmp_path_factory.mktemp("ui") / "server.log"
+    srv = h.start_server([*h.ENGINE_ARGS, "--api-key", KEY, "--root-path", ROOT], log)
+    yield srv
+    h.stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in [*CHROME_FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"]:
+        opts.add_argument(flag)
+    old = os.environ.get("SE_OFFLINE")
+    os.environ["SE_OFFLINE"] = "true"  # explicit paths: Selenium Manager never downloads
+    try:
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    finally:
+        if old is None:
+            os.environ.pop("SE_OFFLINE")
+        else:
+            os.environ["SE_OFFLINE"] = old
+    yield driver
+    driver.quit()
+
+
+def wait(driver, condition, timeout: float = 60):
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition)
+
+
+def open_page(driver, url: str, key: str | None) -> None:
+    """The page at `url` with an empty localStorage holding only `key` (None: no key)."""
+    driver.get(url)
+    driver.execute_script(
+        "localStorage.clear();"
+        "if (arguments[0]) localStorage.setItem('paged.apiKey', arguments[0]);",
+        key,
+    )
+    driver.refresh()
+
+
+def model_id(http) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def set_field(driver, element_id: str, value: str) -> None:
+    el = driver.find_element(By.ID, element_id)
+    el.clear()
+    if value:
+        el.send_keys(value)
+
+
+def send(driver, text: str) -> None:
+    driver.find_element(By.ID, "input").send_keys(text)
+    driver.find_element(By.ID, "send").click()
+
+
+def stored_messages(driver) -> list[dict]:
+    saved = driver.execute_script("return localStorage.getItem('paged.chat')")
+    return json.loads(saved)["messages"]
+
+
+def finished_reply(driver) -> list:
+    """LAST_REPLY once the reply is no longer streaming."""
+    done = lambda d: (r := d.execute_script(LAST_REPLY)) and r[0] != "streaming" and r
+    return wait(driver, done, timeout=90)
+
+
+def running(http) -> int:
+    return sum(r["running"] + r["waiting"] for r in http.get("/fleet").json()["replicas"])
+
+
+def test_page_asks_for_the_key(browser, server, http):
+    open_page(browser, server.url + "/", key=None)
+    dialog = browser.find_element(By.ID, "key-dialog")
+    wait(browser, lambda d: dialog.get_attribute("open") is not None)
+    browser.find_element(By.ID, "key-input").send_keys("wrong-key")
+    browser.find_element(By.ID, "key-save").click()
+    # The wrong key gets a 401: the page asks again and says why.
+    wait(browser, lambda d: "refused" in d.find_element(By.ID, "key-msg").text)
+    assert dialog.get_attribute("open") is not None
+    browser.find_element(By.ID, "key-input").send_keys(KEY)
+    browser.find_element(By.ID, "key-save").click()
+    wait(browser, lambda d: d.find_element(By.ID, "model").text == model_id(http))
+    assert dialog.get_attribute("open") is None
+    assert browser.execute_script("return localStorage.getItem('paged.apiKey')") == KEY
+    set_field(browser, "max-tokens", "3")
+    send(browser, "Hi")
+    state, deltas, text, _ = finished_reply(browser)
+    assert state == "done" and deltas > 0 and text.strip()
+
+
+def test_chat_streams_matches_the_api_and_is_kept(browser, server, http, tmp_path):
+    open_page(browser, server.url + "/", key=KEY)
+    model = model_id(http)
+    wait(browser, lambda d: d.find_element(By.ID, "model").text == model)
+    platforms = {r["platform"] for r in http.get("/fleet").json()["replicas"]}
+    wait(browser, lambda d: d.find_element(By.ID, "platform").text in platforms)
+    set_field(browser, "system", SYSTEM)
+    set_field(browser, "temperature", "0")
+    set_field(browser, "max-tokens", "24")
+    prompt = "Write a Python function that adds two numbers."
+    send(browser, prompt)
+
+    # Streaming: the reply is seen growing, delta by delta, before it is done.
+    lengths = []
+    deadline = time.monotonic() + 90
+    while (reply := browser.execute_script(LAST_REPLY))[0] == "streaming":
+        lengths.append(len(reply[2]))
+        assert time.monotonic() < deadline, "the reply did not finish in 90 s"
+        time.sleep(0.03)
+    state, deltas, text, meta = reply
+    assert state == "done", meta
+    assert deltas > 1 and len({n for n in lengths if n}) > 1, lengths
+    assert text.strip()
+    assert re.search(r"\d+ tokens · \d+(\.\d+)? tok/s", meta), meta
+
+    # The same greedy request through the API gives the same text.
+    content = stored_messages(browser)[-1]["content"]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 24}
+    api = http.post("/v1/chat/completions", json=body).json()
+    assert content == api["choices"][0]["message"]["content"]
+    assert f"{api['usage']['completion_tokens']} tokens" in meta
+
+    shot = Path(os.environ.get("PAGED_UI_SCREENSHOT") or tmp_path / "chat-page.png")
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 0
+
+    # A reload keeps the conversation and the settings (localStorage).
+    browser.refresh()
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 2)
+    assert browser.find_element(By.CSS_SELECTOR, ".msg.user").text == prompt
+    assert browser.execute_script(LAST_REPLY)[2] == text
+    assert browser.find_element(By.ID, "system").get_attribute("value") == SYSTEM
+    assert browser.find_element(By.ID, "temperature").get_attribute("value") == "0"
+
+
+def test_stop_and_new_chat(browser, server, http):
+    open_page(browser, server.url + "/", key=KEY)
+    wait(browser, lambda d: d.find_element(By.ID, "model").text == model_id(http))
+    set_field(browser, "max-tokens", "400")
+    send(browser, "Tell me a long story about a dragon.")
+    wait(browser, lambda d: d.execute_script(LAST_REPLY)[1] >= 3)
+    browser.find_element(By.ID, "stop").click()
+    wait(browser, lambda d: d.execute_script(LAST_REPLY)[0] == "stopped", timeout=10)
+    _, deltas, text, meta = browser.execute_script(LAST_REPLY)
+    assert "stopped" in meta and 3 <= deltas < 400 and text.strip()
+    assert browser.find_element(By.ID, "send").is_displayed()
+    assert not browser.find_element(By.ID, "stop").is_displayed()
+    # Closing the stream aborts the request in the engine.
+    wait(browser, lambda d: running(http) == 0, timeout=15)
+    time.sleep(0.3)
+    assert browser.execute_script(LAST_REPLY)[1] == deltas  # nothing arrives after the stop
+    assert stored_messages(browser)[-1]["state"] == "stopped"
+
+    browser.find_element(By.ID, "new-chat").click()
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+    assert stored_messages(browser) == []
+
+
+def test_markdown_is_rendered_and_escaped(browser, server):
+    open_page(browser, server.url + "/", key=KEY)
+    src = (
+        "# Title\n<img src=x onerror=alert(1)> **bold** *it* `a<b>` "
+        "[bad](javascript:alert(1)) [good](https://example.com/?a=1&b=2)\n\n"
+        "- one\n- two\n\n```python\nprint('<script>')\n```"
+    )
+    html = browser.execute_script("return window.pagedChat.renderMarkdown(arguments[0])", src)
+    assert "<img" not in html and "<script" not in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "<strong>bold</strong>" in html and "<em>it</em>" in html
+    assert "<code>a&lt;b&gt;</code>" in html and "<h1>Title</h1>" in html
+    assert "[bad](javascript:alert(1))" in html and 'href="javascript' not in html
+    assert '<a href="https://example.com/?a=1&amp;b=2"' in html
+    assert "<ul><li>one</li><li>two</li></ul>" in html
+    assert '<pre><code class="lang-python">print(&#39;&lt;script&gt;&#39;)</code></pre>' in html
+
+
+def test_behind_a_proxy_with_the_root_path(browser, server, http):
+    """Every request of the page (assets, API) goes to PREFIX/..., which the proxy strips."""
+    with prefix_proxy(server.url, ROOT) as proxy:
+        base = f"{proxy}{ROOT}/"
+        open_page(browser, base, key=KEY)
+        wait(browser, lambda d: d.find_element(By.ID, "platform").text not in ("…", "unknown"))
+        assert browser.find_element(By.ID, "model").text == model_id(http)
+        set_field(browser, "max-tokens", "3")
+        send(browser, "Hi")
+        state, deltas, text, _ = finished_reply(browser)
+        assert state == "done" and deltas > 0 and text.strip()
+        urls = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)"
+        )
+    assert all(u.startswith(base) for u in urls), urls
+    paths = {u.removeprefix(base) for u in urls}
+    assert {"static/chat.js", "static/chat.css", "v1/models", "fleet"} <= paths
+    assert "v1/chat/completions" in paths
