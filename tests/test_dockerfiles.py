@@ -9,6 +9,7 @@ then its ENTRYPOINT + CMD, its HEALTHCHECK command and a chat request, offline.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import os
 import re
@@ -265,6 +266,32 @@ def test_copy_sources_exist_and_are_in_the_context(platform: str) -> None:
             assert inside, f"COPY {src}: no tracked file"
             left_out = [f for f in inside if IGNORED(f)]
             assert not left_out, f"COPY {src}: .dockerignore leaves out {left_out[:5]}"
+
+
+@pytest.mark.parametrize("project", ["."] + [f"plugins/{p}" for p in PLATFORMS])
+def test_wheels_carry_the_package_data(project: str) -> None:
+    """The images install wheels, not editable checkouts: every tracked non-Python file inside
+    a package must be named by [tool.setuptools.package-data] (else it is missing there)."""
+    config = tomllib.loads(read(f"{project}/pyproject.toml"))
+    globs = config.get("tool", {}).get("setuptools", {}).get("package-data", {})
+    where = config["tool"]["setuptools"]["packages"]["find"].get("where", ["."])[0]
+    base = ROOT / project / where
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", "."], cwd=base, capture_output=True, text=True, check=True
+    ).stdout.split()
+    missing = []
+    for rel in tracked:
+        parts = Path(rel).parts
+        depth = 0  # the innermost package holding the file
+        while depth < len(parts) - 1 and (base / Path(*parts[: depth + 1], "__init__.py")).exists():
+            depth += 1
+        if depth == 0 or rel.endswith(".py"):
+            continue
+        package, inside = ".".join(parts[:depth]), "/".join(parts[depth:])
+        patterns = globs.get(package, []) + globs.get("*", [])
+        if not any(fnmatch.fnmatch(inside, p) for p in patterns):
+            missing.append(os.path.normpath(f"{project}/{where}/{rel}"))
+    assert not missing, f"not in the wheel (add to package-data): {missing}"
 
 
 def test_dockerignore_leaves_out_environments_and_caches() -> None:
