@@ -160,6 +160,17 @@ def app_routes() -> set[str]:
     return routes
 
 
+def open_paths() -> set[str]:
+    """app.py's OPEN_PATHS: the routes that answer without the API key."""
+    tree = ast.parse((ROOT / "core/paged/server/app.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "OPEN_PATHS" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("no OPEN_PATHS in app.py")
+
+
 def makefile_pin(name: str) -> str:
     m = re.search(rf"install -q (?:--no-deps )?{re.escape(name)}==([\w.]+)", read("Makefile"))
     assert m, f"no {name} pin in the Makefile"
@@ -212,6 +223,7 @@ def test_entrypoint_cmd_port_and_healthcheck(platform: str) -> None:
     assert int(url.group(1)) == PORT
     assert url.group(2) in app_routes(), f"{url.group(2)} is not a route of the app"
     assert url.group(2) == "/health"
+    assert url.group(2) in open_paths(), "the probe would need the API key (PAGED_API_KEY)"
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -341,21 +353,30 @@ def _free_port() -> int:
 
 
 class ImageRun:
-    """The cpu Dockerfile's steps in `root`: its absolute /opt and /home paths under root."""
+    """The cpu Dockerfile's steps in `root`: its absolute /opt, /home and /var paths under
+    root, python3 = this Python, and the root-only steps (accounts, OS packages, ownership)
+    no-ops, as they would have nothing to do outside a container."""
 
-    SKIP = ("useradd", "groupadd", "apt-get", "rm", "(getent")  # root-only, image-only
+    STUBS = ("useradd", "groupadd", "getent", "apt-get", "chown")
 
     def __init__(self, root: Path, port: int) -> None:
         self.root, self.port = root, port
+        stubs = root / "stubs"
+        stubs.mkdir()
+        python = getattr(sys, "_base_executable", sys.executable)
+        for name, script in [(n, "exit 0") for n in self.STUBS] + [
+            ("python3", f'exec "{python}" "$@"')
+        ]:
+            (stubs / name).write_text(f"#!/bin/sh\n{script}\n")
+            (stubs / name).chmod(0o755)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
-        self.env["PATH"] = os.pathsep.join(
-            p for p in self.env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT))
-        )
+        host_path = [p for p in self.env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT))]
+        self.env["PATH"] = os.pathsep.join([str(stubs), *host_path])
         self.workdir = root
         self.run_env: dict[str, str] = {}  # ARGs: in RUN's environment, not the image's
 
     def reroot(self, text: str) -> str:
-        return re.sub(r"(?<![\w./])/(opt|home)/", lambda m: f"{self.root}/{m.group(1)}/", text)
+        return re.sub(r"(?<![\w./])/(opt|home|var)/", lambda m: f"{self.root}/{m.group(1)}/", text)
 
     def port_of(self, text: str) -> str:
         return text.replace(f":{PORT}/", f":{self.port}/")
@@ -382,12 +403,9 @@ class ImageRun:
                     shutil.copytree(ROOT / src, target, ignore=self._ignored_in(src))
                 else:
                     shutil.copy2(ROOT / src, target)
-        elif i.cmd == "RUN":
-            steps = [s.strip() for s in i.args.split("&&")]
-            steps = [re.sub(r"^python3 ", f"{sys.executable} ", s) for s in steps]
-            script = " && ".join(self.reroot(s) for s in steps if not s.startswith(self.SKIP))
+        elif i.cmd == "RUN":  # Docker's shell form: /bin/sh -c
             subprocess.run(
-                ["bash", "-c", f"set -e; {script}"],
+                ["/bin/sh", "-c", self.reroot(i.args)],
                 cwd=self.workdir,
                 env={**self.env, **self.run_env},
                 check=True,
