@@ -73,6 +73,7 @@ def test_conversation_translates_to_chat_messages():
         MessagesRequest(max_tokens=800, messages=USER, thinking=think).to_chat("qwen3")
     chat = MessagesRequest(max_tokens=2000, messages=USER, thinking=think).to_chat("qwen3")
     assert chat.chat_template_kwargs == {"enable_thinking": True}
+    assert chat.thinking_token_budget == 1024  # enforced as the chat field is
 
 
 def test_block_stream_joins_up_to_the_full_blocks():

@@ -107,6 +107,35 @@ def test_tool_choice_applies_after_the_reasoning(srv, http, think_end):
     assert chat(srv, True, **kw) == got
 
 
+def test_thinking_token_budget_closes_the_reasoning(srv, http):
+    """Unbiased, the seed reasons past max_tokens; a budget of 5 keeps the first 5 tokens of
+    that reasoning, forces </think>, and the answer follows as content."""
+    text = raw_text(http)
+    assert "</think>" not in text
+    budget = {"extra_body": {"thinking_token_budget": 5}}
+    got = chat(srv, False, **budget)
+    assert text.startswith(got["reasoning"]) and got["content"]
+    n = http.post("/tokenize", json={"prompt": got["reasoning"], "add_special_tokens": False})
+    assert n.json()["count"] == 5
+    assert got["finish"] == "length" and chat(srv, True, **budget) == got
+    r = http.post("/v1/chat/completions", json={"messages": MSGS, "thinking_token_budget": -1})
+    assert r.status_code == 400 and "thinking_token_budget" in r.json()["error"]["message"]
+
+
+def test_forced_end_marker_resumes_a_partial_marker():
+    """A marker of several ids is forced from where the output's end already matches it."""
+    from paged.sampling.structured import RequestMask
+
+    m = RequestMask(budget=3, end=[7, 8, 9])
+    assert m.forced() is None  # under budget
+    m.count, m.end_tail = 3, [1, 2, 3]
+    assert m.forced() == 7
+    m.end_tail = [2, 3, 7]
+    assert m.forced() == 8
+    m.end_tail = [3, 7, 8]
+    assert m.forced() == 9
+
+
 def test_qwen3_reads_the_prompt():
     """qwen3: a prompt that closed an empty think block (enable_thinking false) leaves the
     whole output as content, and structured outputs may constrain it from the start."""

@@ -97,6 +97,10 @@ class SamplingParams:
     # The structured output starts once the output ends with these token ids (a reasoning
     # model's end-of-thinking marker); None: from the first token.
     structured_outputs_after: list[int] | None = None
+    # At most this many output tokens of reasoning: past it, the end marker's ids
+    # (reasoning_end_ids) are forced, unless the output has ended the reasoning already.
+    thinking_token_budget: int | None = None
+    reasoning_end_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # these words' token sequences are never completed
     best_of: int | None = None  # sample this many, keep the n of highest cumulative logprob
@@ -171,6 +175,12 @@ class SamplingParams:
                 bad("structured_outputs_after", "must be a non-empty list of token ids >= 0")
             if self.structured_outputs is None:
                 bad("structured_outputs_after", "needs structured_outputs")
+        if self.thinking_token_budget is not None:
+            ids = self.reasoning_end_ids
+            if self.thinking_token_budget < 0:
+                bad("thinking_token_budget", "must be >= 0")
+            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+                bad("reasoning_end_ids", "a reasoning budget needs the end marker's token ids")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not ids or any(not isinstance(t, int) or t < 0 for t in ids):

@@ -124,6 +124,20 @@ class RequestMask:
     # reasoning parser's end marker); until then the matcher neither masks nor advances.
     after: list[int] | None = None
     tail: list[int] = field(default_factory=list)  # the last len(after) output ids
+    # A reasoning budget: past `budget` output tokens, the ids of `end` are forced until the
+    # output ends with them (then budget is None: the reasoning is over).
+    budget: int | None = None
+    end: list[int] = field(default_factory=list)
+    count: int = 0  # output tokens so far
+    end_tail: list[int] = field(default_factory=list)  # the last len(end) output ids
+
+    def forced(self) -> int | None:
+        """The id this step must sample (reasoning over budget), else None."""
+        if self.budget is None or self.count < self.budget:
+            return None
+        t, e = self.end_tail, self.end
+        k = next(j for j in range(min(len(t), len(e) - 1), -1, -1) if t[len(t) - j :] == e[:j])
+        return e[k]  # the marker continues after its longest part the output ends with
 
 
 class StructuredOutputs:
@@ -155,7 +169,10 @@ class StructuredOutputs:
     @staticmethod
     def needs(params: SamplingParams) -> bool:
         return bool(
-            params.structured_outputs is not None or params.allowed_token_ids or params.bad_words
+            params.structured_outputs is not None
+            or params.allowed_token_ids
+            or params.bad_words
+            or params.thinking_token_budget is not None
         )
 
     @staticmethod
@@ -211,7 +228,10 @@ class StructuredOutputs:
 
                     matcher = xgr.GrammarMatcher(compiled)
                 after = s.params.structured_outputs_after if matcher is not None else None
-                self.masks[s.request_id] = RequestMask(matcher, allowed, bad, after or None)
+                m = RequestMask(matcher, allowed, bad, after or None)
+                if s.params.thinking_token_budget is not None:
+                    m.budget, m.end = s.params.thinking_token_budget, s.params.reasoning_end_ids
+                self.masks[s.request_id] = m
             if seqs:
                 done.append(seqs)
         return done, failed
@@ -306,6 +326,10 @@ class StructuredOutputs:
             rows, matchers = zip(*live)
             self._batch.batch_fill_next_token_bitmask(list(matchers), bm, list(rows))
         for k, (req, m) in enumerate(zip(sampling, masks)):
+            if (t := m.forced()) is not None:  # over the reasoning budget: close it
+                words[k] = 0
+                words[k, t >> 5] = np.uint32(1 << (t & 31))
+                continue
             if m.allowed is not None:
                 words[k] &= m.allowed
             if m.bad_words:
@@ -336,6 +360,11 @@ class StructuredOutputs:
 
     def _advance(self, request_id: str, token: int) -> str | None:
         m = self.masks.get(request_id)
+        if m is not None and m.budget is not None:
+            m.count += 1
+            m.end_tail = [*m.end_tail, token][-len(m.end) :]
+            if m.end_tail == m.end:
+                m.budget = None  # the reasoning has ended
         if m is None or m.matcher is None:
             return None
         if m.after is not None:  # not started: watch for the marker

@@ -186,6 +186,7 @@ class CountTokensRequest(RequestBody):
             tool_choice=choice,
             parallel_tool_calls=parallel,
             max_tokens=max_tokens,
+            thinking_token_budget=self.thinking.budget_tokens if thinking else None,
             **kwargs,
             **sampling,
         )

@@ -399,6 +399,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     parallel_tool_calls: bool | None = True  # false: at most one call
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's; not with stream
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the rendered prompt's last k
+    # vLLM's: at most this many tokens of reasoning, then the reasoning parser's end marker is
+    # forced (needs --reasoning-parser).
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None = None

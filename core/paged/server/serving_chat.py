@@ -94,6 +94,14 @@ def _adjust(
         # The reasoning stays free: the grammar starts after the end marker's tokens.
         ids = sv.tokenizer.encode(parsing.reasoning_end, add_special_tokens=False)
         params = dataclasses.replace(params, structured_outputs_after=ids)
+    if req.thinking_token_budget is not None and parsing.reasoning is None:
+        msg = "thinking_token_budget: needs a server started with --reasoning-parser"
+        raise APIError(400, msg, "thinking_token_budget")
+    if req.thinking_token_budget is not None and parsing.reasoning_end is not None:
+        ids = sv.tokenizer.encode(parsing.reasoning_end, add_special_tokens=False)
+        params = dataclasses.replace(
+            params, thinking_token_budget=req.thinking_token_budget, reasoning_end_ids=ids
+        )
     if params.skip_special_tokens and parsing.keep_special_tokens(sv.tokenizer):
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
