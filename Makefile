@@ -1,10 +1,10 @@
-# paged: make install | make test | make serve | make lint
+# paged: make install | make test | make serve | make lint | make docs
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install test test-slow test-xla serve lint bench-cpu clean
+.PHONY: install test test-slow test-xla serve lint docs bench-cpu clean
 
 $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +24,11 @@ $(VENV)/.kernels: $(VENV)/.installed $(wildcard plugins/cpu/paged_cpu/csrc/*)
 install: $(VENV)/.installed $(VENV)/.kernels
 
 $(VENV)/.test-installed: $(VENV)/.installed $(VENV)/.kernels
-	$(PIP) install -q -e '.[test]' triton
+	$(PIP) install -q -e '.[test,docs]' triton
+	touch $@
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[docs]'
 	touch $@
 
 # The suite without the soak runs (marked slow); test-slow runs those (CI runs both).
@@ -42,6 +46,10 @@ serve: install
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check core plugins tests bench examples
+
+# The docs site (mkdocs-material) into site/; --strict fails on a broken link or reference.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench-cpu: install
 	$(PY) bench/throughput.py

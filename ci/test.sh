@@ -6,7 +6,7 @@ VENV=${VENV:-.venv}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 "$VENV/bin/ruff" check core plugins tests bench
 set +e
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=15 "$@"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider --durations=40 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
