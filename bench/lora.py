@@ -97,12 +97,15 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
+                    help="each engine's share (both must fit should the first linger)")  # fmt: skip
     ap.add_argument("--no-write", action="store_true", help="print only (no bench/results)")
     args = ap.parse_args()
 
     common = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
                   max_model_len=args.input_len + args.output_len + 16,
-                  max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager)  # fmt: skip
+                  max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rng = random.Random(0)
     best: dict[str, float] = {}
@@ -116,6 +119,7 @@ def main() -> None:
         best["base"] = max(best.get("base", 0.0), rate := run(llm, prompts, params, None))
         print(f"pass {i} base: {rate:,.0f} output tok/s", flush=True)
     free(llm)
+    llm = None  # the caller's reference too, before the LoRA engine allocates
 
     root = Path(tempfile.mkdtemp(prefix="paged-lora-"))
     t = time.perf_counter()

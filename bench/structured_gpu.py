@@ -8,10 +8,12 @@ Random weights give meaningless text, so only speed means anything here. The sha
 tokenizer whose vocabulary is every printable ASCII string of one and two characters, then
 three-character ones up to the shape's vocabulary size: JSON can be spelled in it (a word-level
 "t<id>" vocabulary could not), so xgrammar builds real masks over the full vocabulary. Prompts
-are random token ids. The schema is bench/structured.py's (an unbounded array of records), so a
-constrained request generates until --max-tokens like the unconstrained one (ignore_eos):
-both runs do the same steps at the same batch. Passes alternate (ABBA) in one engine; the
-figure is output tokens/s per kind (best pass) and their ratio.
+are random token ids. The schema is bench/structured.py's (an unbounded array of records), but
+random weights may still close the JSON early, and a finished grammar ends the request whatever
+ignore_eos says. So the unconstrained requests are given each constrained request's output
+length (measured in the warm-up pass): both kinds generate the same tokens per request, in the
+same steps at the same batch sizes, and differ only by the masks. Passes alternate (ABBA) in
+one engine; the figure is output tokens/s per kind (best pass) and their ratio.
 """
 
 from __future__ import annotations
@@ -65,11 +67,16 @@ def shape_dir(model: str, path: Path) -> str:
     return str(path)
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
+def generate(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[int]]:
+    """(output tokens/s, each request's output length)."""
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return n / (time.perf_counter() - t)
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    return sum(lengths) / (time.perf_counter() - t), lengths
+
+
+def run(llm: LLM, prompts: list[list[int]], params) -> float:
+    return generate(llm, prompts, params)[0]
 
 
 def main() -> None:
@@ -100,15 +107,21 @@ def main() -> None:
     vocab = llm.engine.vocab_size
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
                for _ in range(args.batch)]  # fmt: skip
-    plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     so = StructuredOutputsParams(json=SCHEMA)
     constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                                  structured_outputs=so)  # fmt: skip
     t = time.perf_counter()
     run(llm, prompts[:1], SamplingParams(max_tokens=2, structured_outputs=so))
     first = time.perf_counter() - t  # grammar compile (new schema) included
-    run(llm, prompts, plain)  # warm-up: every batch shape of the timed passes, both kinds
-    run(llm, prompts, constrained)
+    _, lengths = generate(llm, prompts, constrained)  # warm-up, and each request's length
+    plain = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    _, plain_lengths = generate(llm, prompts, plain)  # warm-up: the same batch shapes
+    assert plain_lengths == lengths, "the unconstrained pass must generate the same tokens"
+    print(
+        f"output tokens per pass: {sum(lengths)} ({sum(lengths) / len(lengths):.1f} per "
+        f"request of at most {args.max_tokens})",
+        flush=True,
+    )
     best = {"plain": 0.0, "json_schema": 0.0}
     for i in range(args.repeat):
         for kind in ("plain", "json_schema") if i % 2 == 0 else ("json_schema", "plain"):
