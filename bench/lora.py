@@ -17,10 +17,11 @@ The floor (issue 14): lora >= 70 % of base. Appends to bench/results/lora.md.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,12 +78,59 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras) -> fl
     return n / (time.perf_counter() - t)
 
 
-def free(llm: LLM) -> None:
-    llm.engine.shutdown()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def model_config(model: str):
+    """The HF config of a named shape or a model directory."""
+    from paged.model.shapes import SHAPES, shape_config
+
+    if model in SHAPES:
+        return shape_config(model)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
+
+
+def phase_base(args, common, params, prompts) -> dict[str, float]:
+    llm = LLM(args.model, **common)
+    run(llm, prompts[:8], params, None)  # warm-up
+    best = 0.0
+    for i in range(args.repeat):
+        best = max(best, rate := run(llm, prompts, params, None))
+        print(f"pass {i} base: {rate:,.0f} output tok/s", flush=True)
+    return {"base": best}
+
+
+def phase_lora(args, common, params, prompts) -> dict[str, float]:
+    cfg = model_config(args.model)
+    root = Path(tempfile.mkdtemp(prefix="paged-lora-"))
+    t = time.perf_counter()
+    paths = [write_adapter(root / f"a{k}", cfg, args.rank, k, torch.bfloat16)
+             for k in range(args.num_adapters)]  # fmt: skip
+    print(f"{args.num_adapters} adapters written in {time.perf_counter() - t:.1f} s", flush=True)
+    loras = [LoRARequest(f"a{k}", k + 1, p) for k, p in enumerate(paths)]
+    per_prompt = [loras[i % len(loras)] for i in range(args.num_prompts)]
+    llm = LLM(args.model, **common, enable_lora=True, max_loras=args.num_adapters,
+              max_lora_rank=args.rank)  # fmt: skip
+    t = time.perf_counter()
+    run(llm, prompts[: args.num_adapters], params, per_prompt[: args.num_adapters])  # loads all
+    print(f"warm-up with every adapter loaded: {time.perf_counter() - t:.1f} s", flush=True)
+    best: dict[str, float] = {}
+    for i in range(args.repeat):
+        order = ("lora", "lora-off") if i % 2 == 0 else ("lora-off", "lora")
+        for kind in order:
+            rate = run(llm, prompts, params, per_prompt if kind == "lora" else None)
+            best[kind] = max(best.get(kind, 0.0), rate)
+            print(f"pass {i} {kind}: {rate:,.0f} output tok/s", flush=True)
+    return best
+
+
+def in_subprocess(phase: str) -> dict[str, float]:
+    """One phase in its own process: the device memory of one engine is all returned before
+    the next starts."""
+    argv = [sys.executable, __file__, *sys.argv[1:], "--phase", phase]
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=True)
+    print(proc.stdout, end="", flush=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
 
 
 def main() -> None:
@@ -97,49 +145,23 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45,
-                    help="each engine's share (both must fit should the first linger)")  # fmt: skip
     ap.add_argument("--no-write", action="store_true", help="print only (no bench/results)")
+    ap.add_argument("--phase", choices=("base", "lora"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    common = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
-                  max_model_len=args.input_len + args.output_len + 16,
-                  max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    rng = random.Random(0)
-    best: dict[str, float] = {}
-
-    llm = LLM(args.model, **common)
-    cfg, vocab = llm.engine.hf_config, llm.engine.vocab_size
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
-               for _ in range(args.num_prompts)]  # fmt: skip
-    run(llm, prompts[:8], params, None)  # warm-up
-    for i in range(args.repeat):
-        best["base"] = max(best.get("base", 0.0), rate := run(llm, prompts, params, None))
-        print(f"pass {i} base: {rate:,.0f} output tok/s", flush=True)
-    free(llm)
-    llm = None  # the caller's reference too, before the LoRA engine allocates
-
-    root = Path(tempfile.mkdtemp(prefix="paged-lora-"))
-    t = time.perf_counter()
-    paths = [write_adapter(root / f"a{k}", cfg, args.rank, k, torch.bfloat16)
-             for k in range(args.num_adapters)]  # fmt: skip
-    print(f"{args.num_adapters} adapters written in {time.perf_counter() - t:.1f} s", flush=True)
-    loras = [LoRARequest(f"a{k}", k + 1, p) for k, p in enumerate(paths)]
-    per_prompt = [loras[i % len(loras)] for i in range(args.num_prompts)]
-    llm = LLM(args.model, **common, enable_lora=True, max_loras=args.num_adapters,
-              max_lora_rank=args.rank)  # fmt: skip
-    t = time.perf_counter()
-    run(llm, prompts[: args.num_adapters], params, per_prompt[: args.num_adapters])  # loads all
-    print(f"warm-up with every adapter loaded: {time.perf_counter() - t:.1f} s", flush=True)
-    for i in range(args.repeat):
-        order = ("lora", "lora-off") if i % 2 == 0 else ("lora-off", "lora")
-        for kind in order:
-            rate = run(llm, prompts, params, per_prompt if kind == "lora" else None)
-            best[kind] = max(best.get(kind, 0.0), rate)
-            print(f"pass {i} {kind}: {rate:,.0f} output tok/s", flush=True)
-    free(llm)
+    if args.phase is not None:  # a child: one engine, its figures on the last line
+        common = dict(load_format=args.load_format, dtype=args.dtype, enable_prefix_caching=False,
+                      max_model_len=args.input_len + args.output_len + 16,
+                      max_num_seqs=args.num_prompts, enforce_eager=args.enforce_eager)  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        rng = random.Random(0)
+        vocab = model_config(args.model).vocab_size
+        prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
+                   for _ in range(args.num_prompts)]  # fmt: skip
+        phase = phase_base if args.phase == "base" else phase_lora
+        print("RESULT " + json.dumps(phase(args, common, params, prompts)), flush=True)
+        return
+    best = {**in_subprocess("base"), **in_subprocess("lora")}
 
     ratio = best["lora"] / best["base"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
