@@ -52,7 +52,8 @@ docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 bench-cpu: install
-	$(PY) bench/throughput.py
+	VENV=$(VENV) bash bench/install_llama_cpp.sh
+	$(PY) bench/throughput.py --repeat 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,9 +1,14 @@
-"""CPU throughput: paged vs HF transformers (and llama.cpp when installed), same weights.
+"""CPU throughput: paged vs HF transformers and llama.cpp, same weights, same run.
 
+    bash bench/install_llama_cpp.sh   # once: llama-cpp-python from source, wheel cached
     python bench/throughput.py [--num-prompts 64] [--max-tokens 128] [--repeat 2]
 
 Greedy, every request generates exactly --max-tokens tokens (end-of-sequence ignored) so all
-engines do the same work. Results go to bench/results/cpu.md.
+engines do the same work. Two comparisons, each on the same arithmetic:
+  - paged's dense bfloat16 path (--no-cpu-gguf-blocks) against HF transformers in bfloat16;
+  - paged's GGUF block path (the file's quantized weights, activations quantized to 8 bits:
+    labelled quantized) against llama.cpp on the same GGUF, at batch --num-prompts and 1.
+Results go to bench/results/cpu.md.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from common import chat_prompts, write_results  # noqa: E402
+from llama_cpp_baseline import llama_cpp_throughput  # noqa: E402
 
 from paged import LLM, SamplingParams  # noqa: E402
 from paged.model.loader import default_model_path  # noqa: E402
@@ -71,22 +77,6 @@ def bench_hf_generate_batch(model, gc, prompts: list[list[int]], max_tokens: int
     return n / (time.perf_counter() - t)
 
 
-def bench_llama_cpp(path: str, prompts: list[list[int]], max_tokens: int) -> float | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=path, n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
-    t, n = time.perf_counter(), 0
-    for p in prompts:
-        llm.reset()
-        for i, _ in enumerate(llm.generate(p, temp=0.0)):
-            if i + 1 >= max_tokens:
-                break
-        n += max_tokens
-    return n / (time.perf_counter() - t)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -125,19 +115,22 @@ def main() -> None:
         at = next((i for i, r in enumerate(rows) if r[0] == name), None)
         rows.append(row) if at is None else rows.__setitem__(at, row)
 
+    quant = "paged GGUF blocks (quantized: 8-bit activations)"
+    dense = "paged bfloat16 dense (--no-cpu-gguf-blocks)"
+    b1 = args.batch1_prompts
     for rep in range(args.repeat):
         first = rep == 0
-        for dtype in ("bfloat16", "float32") if first else ("bfloat16",):
-            record(f"paged {dtype}, {n} prompts x {m} tokens", bench_paged(path, ids, m, dtype))
-        if first:  # bf16 without the GGUF block linears (8-bit activations): dense weights
-            record(
-                f"paged bfloat16 dense (--no-cpu-gguf-blocks), {n} prompts x {m} tokens",
-                bench_paged(path, ids, m, "bfloat16", cpu_gguf_blocks=False),
-            )
-        record(
-            f"paged bfloat16, batch 1 ({args.batch1_prompts} prompts)",
-            _batch1(path, ids[: args.batch1_prompts], m),
-        )
+        record(f"{quant}, {n} prompts x {m} tokens", bench_paged(path, ids, m, "bfloat16"))
+        record(f"llama.cpp (same GGUF), {n} prompts x {m} tokens, batch {n}",
+               llama_cpp_throughput(path, ids, m, batch=n))  # fmt: skip
+        record(f"{quant}, batch 1 ({b1} prompts)", _batch1(path, ids[:b1], m))
+        record(f"llama.cpp (same GGUF), batch 1 ({b1} prompts)",
+               llama_cpp_throughput(path, ids[:b1], m, batch=1))  # fmt: skip
+        record(f"{dense}, {n} prompts x {m} tokens",
+               bench_paged(path, ids, m, "bfloat16", cpu_gguf_blocks=False))  # fmt: skip
+        if first:
+            record(f"paged float32 dense, {n} prompts x {m} tokens",
+                   bench_paged(path, ids, m, "float32", cpu_gguf_blocks=False))  # fmt: skip
         if args.skip_hf:
             continue
         for dtype in (torch.float32, torch.bfloat16) if first else (torch.bfloat16,):
@@ -149,8 +142,8 @@ def main() -> None:
                     bench_hf_generate(model, gc, ids, m, hb),
                 )
             record(
-                f"HF generate {name}, batch 1 ({args.batch1_prompts} prompts)",
-                bench_hf_generate(model, gc, ids[: args.batch1_prompts], m, 1),
+                f"HF generate {name}, batch 1 ({b1} prompts)",
+                bench_hf_generate(model, gc, ids[:b1], m, 1),
             )
             if first and hasattr(model, "generate_batch"):
                 record(
@@ -158,15 +151,21 @@ def main() -> None:
                     bench_hf_generate_batch(model, gc, ids[: n // 4], m),
                 )
             del model
-    record(
-        f"llama.cpp Q4_1, batch 1 ({args.batch1_prompts} prompts)",
-        bench_llama_cpp(path, ids[: args.batch1_prompts], m),
-    )
-    best_hf = max((v for k, v in figs.items() if k.startswith("HF")), default=None)
-    paged_best = max(v for k, v in figs.items() if k.startswith("paged") and "batch 1" not in k)
-    if best_hf:
-        rows.append(("paged / best HF", f"{paged_best / best_hf:.2f}x"))
-        print(f"paged / best HF: {paged_best / best_hf:.2f}x")
+
+    def ratio(label: str, ours: str, theirs: list[str]) -> None:
+        base = max((figs[k] for k in theirs if k in figs), default=None)
+        if ours in figs and base:
+            rows.append((label, f"{figs[ours] / base:.2f}x"))
+            print(f"{label}: {figs[ours] / base:.2f}x")
+
+    hf_bf16 = [k for k in figs if k.startswith("HF generate bfloat16") and "batch 1" not in k]
+    hf_bf16 += [k for k in figs if k.startswith("HF generate_batch bfloat16")]
+    ratio("paged dense bf16 / best HF bf16 (same arithmetic)",
+          f"{dense}, {n} prompts x {m} tokens", hf_bf16)  # fmt: skip
+    ratio(f"paged GGUF blocks / llama.cpp, batch {n}", f"{quant}, {n} prompts x {m} tokens",
+          [f"llama.cpp (same GGUF), {n} prompts x {m} tokens, batch {n}"])  # fmt: skip
+    ratio("paged GGUF blocks / llama.cpp, batch 1", f"{quant}, batch 1 ({b1} prompts)",
+          [f"llama.cpp (same GGUF), batch 1 ({b1} prompts)"])  # fmt: skip
     write_results(
         "cpu.md",
         f"Offline throughput, SmolLM2-135M-Instruct Q4_1 GGUF, {n} chat "
