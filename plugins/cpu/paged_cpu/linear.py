@@ -82,16 +82,16 @@ class GgufBlocksMethod(QuantMethod):
     name = "gguf-blocks"
     from_checkpoint = True
 
-    def __init__(self, codes_dtype: torch.dtype) -> None:
+    def __init__(self, groups: int, scales_dtype: torch.dtype) -> None:
         from paged_cpu.native import kernels
 
         self.native = kernels()
-        self.codes_dtype = codes_dtype
+        self.groups, self.scales_dtype = groups, scales_dtype  # pack_blocks' choices
 
     def create_weights(self, layer: QuantLinear) -> None:
         n, k = layer.out_features, layer.in_features
-        layer.add("codes", (n // 16, k // 32, 8, 16, 4), self.codes_dtype)  # pack_blocks' layout
-        layer.add("scales", (n // 16, k // 32, 2, 16), torch.float32)
+        layer.add("codes", (n // 16, k // 32, self.groups, 16, 4), torch.uint8)
+        layer.add("scales", (n // 16, k // 32, 2, 16), self.scales_dtype)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -109,8 +109,8 @@ class GgufBlockLinear(QuantLinear):
         self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
     ) -> None:
         n, k = codes.shape
-        super().__init__(k, n, bias is not None, GgufBlocksMethod(codes.dtype))
         packed, scales = pack_blocks(codes, d, m)
+        super().__init__(k, n, bias is not None, GgufBlocksMethod(packed.shape[2], scales.dtype))
         with torch.no_grad():
             self.codes.copy_(packed)
             self.scales.copy_(scales)
@@ -121,12 +121,20 @@ class GgufBlockLinear(QuantLinear):
 def pack_blocks(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] codes, [N, K/32] d and m -> the kernel's layout: codes [N/16, K/32, 8, 16, 4]
-    (one 64-byte load = 4 consecutive k of 16 output columns), scales [N/16, K/32, 2, 16]."""
+    """[N, K] uint8 codes, [N, K/32] d and m -> the kernel's layout: codes [N/16, K/32, 8, 16,
+    4] (one 64-byte load = 4 consecutive k of 16 output columns), or [N/16, K/32, 4, 16, 4]
+    when every code fits 4 bits (group g in the low nibble, g + 4 in the high one: half the
+    bytes to read per step); scales [N/16, K/32, 2, 16], float16 when that holds d and m
+    exactly (a GGUF's scales are float16), else float32."""
     n, k = codes.shape
-    packed = codes.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-    dm = torch.stack((d, m), 1).view(n // 16, 16, 2, k // 32).permute(0, 3, 2, 1)
-    return packed, dm.float().contiguous()
+    packed = codes.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
+    if int(codes.max()) < 16:
+        packed = packed[:, :, :4] | (packed[:, :, 4:] << 4)
+    dm = torch.stack((d, m), 1).view(n // 16, 16, 2, k // 32).permute(0, 3, 2, 1).float()
+    half = dm.half()
+    if torch.equal(half.float(), dm):
+        dm = half
+    return packed.contiguous(), dm.contiguous()
 
 
 def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:

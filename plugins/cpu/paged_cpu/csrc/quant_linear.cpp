@@ -7,9 +7,12 @@
 //     d * s * sum(c * q) + m * s * sum(q)
 // and sum(c * q) is an exact integer dot product: AVX-512 VNNI's u8 x s8 vpdpbusd.
 //
-// Packed weight layout (pack_codes in linear.py): [N / 16, K / 32, 8, 16, 4] uint8, so one
-// 64-byte load holds 4 consecutive k of 16 output columns; scales [N / 16, K / 32, 2, 16]
-// float (d, then m).
+// Packed weight layout (pack_blocks in linear.py): [N / 16, K / 32, G, 16, 4] uint8. With
+// G = 8 (8-bit codes) one 64-byte load holds 4 consecutive k of 16 output columns; with G = 4
+// (4-bit codes, Q4_0/Q4_1) a byte holds two codes, group g in its low nibble and group g + 4
+// in its high one, so a decode step reads half the bytes, as llama.cpp's Q4 blocks. Scales
+// [N / 16, K / 32, 2, 16] (d, then m), float16 where that is exact (GGUF's own scales are
+// float16), else float32.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -20,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 
 namespace {
@@ -60,10 +64,27 @@ void quantize_row(const at::BFloat16* x, int64_t K, int8_t* q, float* s, float* 
   }
 }
 
-// Output rows [m0, m0 + R) x columns of tiles [t0, t0 + T).
-template <int R, int T>
+// Scale j of a tile's 16-column row of scales, float16 or float32.
+template <typename S>
+inline float scale_at(const S* p, int64_t j) {
+  if constexpr (std::is_same_v<S, at::Half>) return static_cast<float>(p[j]);
+  else return p[j];
+}
+
+#if defined(__AVX512F__)
+template <typename S>
+inline __m512 load_scales(const S* p) {
+  if constexpr (std::is_same_v<S, at::Half>)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  else return _mm512_loadu_ps(p);
+}
+#endif
+
+// Output rows [m0, m0 + R) x columns of tiles [t0, t0 + T); G = 8 (a byte per code) or 4
+// (two 4-bit codes per byte); S the scales' type.
+template <int R, int T, int G, typename S>
 void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, const uint8_t* w,
-               const float* dm, const float* bias, at::BFloat16* y, int64_t N, int64_t t0) {
+               const S* dm, const float* bias, at::BFloat16* y, int64_t N, int64_t t0) {
   const int64_t nb = K / QB;
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
   __m512 acc[R][T];
@@ -71,24 +92,37 @@ void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, cons
     const __m512 bv = bias ? _mm512_loadu_ps(bias + (t0 + t) * NT) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) acc[r][t] = bv;
   }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i dot[R][T];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) dot[r][t] = _mm512_setzero_si512();
-    for (int g = 0; g < QB / 4; ++g) {
-      __m512i wv[T];
-      for (int t = 0; t < T; ++t)
-        wv[t] = _mm512_loadu_si512(w + (((t0 + t) * nb + b) * (QB / 4) + g) * NT * 4);
+    for (int g = 0; g < G; ++g) {
+      __m512i wv[T], wh[T];
+      for (int t = 0; t < T; ++t) {
+        const __m512i v = _mm512_loadu_si512(w + (((t0 + t) * nb + b) * G + g) * NT * 4);
+        if constexpr (G == 8) {
+          wv[t] = v;
+        } else {
+          wv[t] = _mm512_and_si512(v, low4);
+          wh[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+      }
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, q + r * K + b * QB + g * 4, sizeof four);
         const __m512i xv = _mm512_set1_epi32(four);
         for (int t = 0; t < T; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wv[t], xv);
+        if constexpr (G == 4) {
+          std::memcpy(&four, q + r * K + b * QB + (g + 4) * 4, sizeof four);
+          const __m512i xh = _mm512_set1_epi32(four);
+          for (int t = 0; t < T; ++t) dot[r][t] = _mm512_dpbusd_epi32(dot[r][t], wh[t], xh);
+        }
       }
     }
     for (int t = 0; t < T; ++t) {
-      const float* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
-      const __m512 d = _mm512_loadu_ps(dmb), m = _mm512_loadu_ps(dmb + NT);
+      const S* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
+      const __m512 d = load_scales(dmb), m = load_scales(dmb + NT);
       for (int r = 0; r < R; ++r) {
         const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(s[r * nb + b]));
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), ds, acc[r][t]);
@@ -112,11 +146,15 @@ void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, cons
         for (int64_t b = 0; b < nb; ++b) {
           int32_t dot = 0;
           for (int64_t k = 0; k < QB; ++k) {
-            const uint8_t c = w[((((t0 + t) * nb + b) * (QB / 4) + k / 4) * NT + j) * 4 + k % 4];
+            const int64_t g = k / 4;  // the code of (column j, k) in the packed block
+            const uint8_t byte =
+                w[((((t0 + t) * nb + b) * G + g % G) * NT + j) * 4 + k % 4];
+            const uint8_t c = G == 8 ? byte : (g < 4 ? byte & 0x0F : byte >> 4);
             dot += static_cast<int32_t>(c) * q[r * K + b * QB + k];
           }
-          const float* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
-          acc += dmb[j] * s[r * nb + b] * static_cast<float>(dot) + dmb[NT + j] * sq[r * nb + b];
+          const S* dmb = dm + ((t0 + t) * nb + b) * 2 * NT;
+          acc += scale_at(dmb, j) * s[r * nb + b] * static_cast<float>(dot) +
+                 scale_at(dmb, NT + j) * sq[r * nb + b];
         }
         y[r * N + n] = static_cast<at::BFloat16>(acc);
       }
@@ -125,18 +163,45 @@ void gemm_tile(const int8_t* q, const float* s, const float* sq, int64_t K, cons
 
 constexpr int RMAX = 4, TMAX = 2;  // rows x column tiles per register block
 
+template <int G, typename S>
 using TileKernel = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*,
-                            const float*, const float*, at::BFloat16*, int64_t, int64_t);
+                            const S*, const float*, at::BFloat16*, int64_t, int64_t);
 
-template <int... I>
-constexpr std::array<TileKernel, sizeof...(I)> make_table(std::integer_sequence<int, I...>) {
-  return {gemm_tile<I / TMAX + 1, I % TMAX + 1>...};
+template <int G, typename S, int... I>
+constexpr std::array<TileKernel<G, S>, sizeof...(I)> make_table(
+    std::integer_sequence<int, I...>) {
+  return {gemm_tile<I / TMAX + 1, I % TMAX + 1, G, S>...};
 }
 
 // The kernel for R rows (1..RMAX) by T column tiles (1..TMAX).
-TileKernel tile_kernel(int R, int T) {
-  static constexpr auto table = make_table(std::make_integer_sequence<int, RMAX * TMAX>{});
+template <int G, typename S>
+TileKernel<G, S> tile_kernel(int R, int T) {
+  static constexpr auto table =
+      make_table<G, S>(std::make_integer_sequence<int, RMAX * TMAX>{});
   return table[(R - 1) * TMAX + (T - 1)];
+}
+
+// The row chunks x column-tile runs of y = x W^T, each on its kernels.
+template <int G, typename S>
+void gemm(const int8_t* qp, const float* sp, const float* sqp, int64_t M, int64_t K,
+          int64_t tiles, const uint8_t* wp, const S* dmp, const float* bp, at::BFloat16* yp) {
+  // Work items: (a chunk of up to 64 rows, TMAX column tiles); the rows reuse the tiles'
+  // weights from cache.
+  constexpr int64_t RC = 64;
+  const int64_t N = tiles * NT, nb = K / QB;
+  const int64_t row_chunks = (M + RC - 1) / RC, tile_runs = (tiles + TMAX - 1) / TMAX;
+  at::parallel_for(0, row_chunks * tile_runs, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r0 = (i / tile_runs) * RC, r1 = std::min(M, r0 + RC);
+      const int64_t t = (i % tile_runs) * TMAX;
+      const int T = static_cast<int>(std::min<int64_t>(TMAX, tiles - t));
+      for (int64_t m = r0; m < r1; m += RMAX) {
+        const int R = static_cast<int>(std::min<int64_t>(RMAX, r1 - m));
+        tile_kernel<G, S>(R, T)(qp + m * K, sp + m * nb, sqp + m * nb, K, wp, dmp, bp,
+                                yp + m * N, N, t);
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -152,10 +217,12 @@ bool q8_linear_native() {
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                         std::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x: [M, K] bfloat16");
-  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
-              "codes: [N/16, K/32, 8, 16, 4] uint8");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous(),
-              "scales: [N/16, K/32, 2, 16] float");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous() &&
+                  (codes.size(2) == 8 || codes.size(2) == 4),
+              "codes: [N/16, K/32, 8 or 4, 16, 4] uint8");
+  TORCH_CHECK((scales.scalar_type() == torch::kFloat || scales.scalar_type() == torch::kHalf) &&
+                  scales.is_contiguous(),
+              "scales: [N/16, K/32, 2, 16] float32 or float16");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), tiles = codes.size(0), N = tiles * NT,
                 nb = K / QB;
@@ -176,25 +243,16 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
       quantize_row(xp + m * K, K, qp + m * K, sp + m * nb, sqp + m * nb);
   });
 
-  // Work items: (a chunk of up to 64 rows, TMAX column tiles); the rows reuse the tiles'
-  // weights from cache.
-  constexpr int64_t RC = 64;
-  const int64_t row_chunks = (M + RC - 1) / RC, tile_runs = (tiles + TMAX - 1) / TMAX;
   const auto* wp = codes.data_ptr<uint8_t>();
-  const auto* dmp = scales.data_ptr<float>();
   const float* bp = b32 ? b32->data_ptr<float>() : nullptr;
   auto* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, row_chunks * tile_runs, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r0 = (i / tile_runs) * RC, r1 = std::min(M, r0 + RC);
-      const int64_t t = (i % tile_runs) * TMAX;
-      const int T = static_cast<int>(std::min<int64_t>(TMAX, tiles - t));
-      for (int64_t m = r0; m < r1; m += RMAX) {
-        const int R = static_cast<int>(std::min<int64_t>(RMAX, r1 - m));
-        tile_kernel(R, T)(qp + m * K, sp + m * nb, sqp + m * nb, K, wp, dmp, bp, yp + m * N, N,
-                          t);
-      }
-    }
-  });
+  const bool half = scales.scalar_type() == torch::kHalf;
+  if (codes.size(2) == 4) {
+    if (half) gemm<4>(qp, sp, sqp, M, K, tiles, wp, scales.data_ptr<at::Half>(), bp, yp);
+    else gemm<4>(qp, sp, sqp, M, K, tiles, wp, scales.data_ptr<float>(), bp, yp);
+  } else {
+    if (half) gemm<8>(qp, sp, sqp, M, K, tiles, wp, scales.data_ptr<at::Half>(), bp, yp);
+    else gemm<8>(qp, sp, sqp, M, K, tiles, wp, scales.data_ptr<float>(), bp, yp);
+  }
   return y;
 }
