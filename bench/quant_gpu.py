@@ -148,10 +148,11 @@ def accuracy_child(model: str, variant: str, n: int, tokens: int, ref: str | Non
     from paged import LLM, SamplingParams
     from paged.config import platform_options
 
-    quant = None if variant == "none" else variant
+    quant = None if variant in ("none", "float32") else variant
+    dtype = "float32" if variant == "float32" else "bfloat16"
     # bf16 is the dense model: a GGUF's blocks are not kept 4-bit / 8-bit on any platform
     dense = {k: False for k in ("cuda_gguf_int4", "cpu_gguf_blocks") if k in platform_options()}
-    llm = LLM(model, dtype="bfloat16", quantization=quant, max_model_len=2048, **dense)
+    llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048, **dense)
     greedy = SamplingParams(temperature=0, max_tokens=tokens)
     outs = llm.chat(chat_prompts(n), greedy, use_tqdm=False)
     res = {"tokens": [o.outputs[0].token_ids for o in outs]}
@@ -167,14 +168,21 @@ def accuracy_child(model: str, variant: str, n: int, tokens: int, ref: str | Non
         [e[tok].logprob for tok, e in zip(t, o.prompt_logprobs[len(p):])]
         for (p, t), o in zip(seqs, scored)
     ]  # fmt: skip
+    res["ranks"] = [  # 1: this engine's own greedy choice after the same prefix
+        [e[tok].rank for tok, e in zip(t, o.prompt_logprobs[len(p):])]
+        for (p, t), o in zip(seqs, scored)
+    ]  # fmt: skip
     Path(out).write_text(json.dumps(res))
 
 
 def accuracy(args, out: Path) -> dict:
     """fp8 at load against bf16 on the same model: greedy tokens that agree (position by
-    position), prompts whose output is identical, and the logprob drift on bf16's tokens."""
+    position, free-running), prompts whose output is identical, bf16's tokens that are fp8's
+    own greedy choice after bf16's prefix (teacher-forced), and the logprob drift on bf16's
+    tokens. The same figures for float32 against bf16 say how far bf16 itself is from the
+    model's exact arithmetic on this model (the scale of the first ones)."""
     files, cmds = {}, []
-    for v in ("none", "fp8"):
+    for v in ("none", "fp8", "float32"):
         files[v] = out / f"accuracy-{v}.json"
         cmd = [sys.executable, __file__, "--_accuracy", v, str(files[v]), "--acc-model",
                args.acc_model, "--acc-prompts", str(args.acc_prompts), "--acc-tokens",
@@ -186,7 +194,16 @@ def accuracy(args, out: Path) -> dict:
         p = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, cwd=ROOT)
         if p.returncode:
             return {"error": (p.stdout + p.stderr)[-2000:], "commands": cmds}
-    a, b = (json.loads(files[v].read_text()) for v in ("none", "fp8"))
+    base = json.loads(files["none"].read_text())
+    res = dict(model=args.acc_model, prompts=len(base["tokens"]), commands=cmds)
+    for v in ("fp8", "float32"):
+        res[v] = agreement(base, json.loads(files[v].read_text()))
+    res.update(res["fp8"])  # the floor's figures at the top level
+    return res
+
+
+def agreement(a: dict, b: dict) -> dict:
+    """How engine b's outputs and scores agree with engine a's (the bf16 reference)."""
     same = total = identical = 0
     for x, y in zip(a["tokens"], b["tokens"]):
         n = max(len(x), len(y))
@@ -194,9 +211,11 @@ def accuracy(args, out: Path) -> dict:
         total += n
         identical += x == y
     drift = [abs(p - q) for u, v in zip(a["logprobs"], b["logprobs"]) for p, q in zip(u, v)]
-    return dict(model=args.acc_model, prompts=len(a["tokens"]), token_match=same / max(total, 1),
-                identical_outputs=identical, mean_logprob_drift=sum(drift) / max(len(drift), 1),
-                max_logprob_drift=max(drift, default=0.0), commands=cmds)  # fmt: skip
+    ranks = [r for row in b["ranks"] for r in row]
+    return dict(token_match=same / max(total, 1), identical_outputs=identical,
+                teacher_forced_top1=sum(r == 1 for r in ranks) / max(len(ranks), 1),
+                mean_logprob_drift=sum(drift) / max(len(drift), 1),
+                max_logprob_drift=max(drift, default=0.0))  # fmt: skip
 
 
 def _f(v, fmt: str = ".2f") -> str:
@@ -208,10 +227,16 @@ def report(gemms: list[dict], engine: list[dict], args, acc: dict | None = None)
     if acc and "token_match" in acc:
         ok = "met" if acc["token_match"] >= 0.9 else "NOT met"
         lines += [f"\n### fp8 accuracy: {acc['model']}, {acc['prompts']} chats, greedy\n",
-                  f"- tokens equal to bf16's, position by position: {acc['token_match']:.1%} "
-                  f"(floor 90 %: {ok}); identical outputs: {acc['identical_outputs']}",
-                  f"- logprob drift on bf16's tokens: mean {acc['mean_logprob_drift']:.4f}, "
-                  f"max {acc['max_logprob_drift']:.3f} nats"]  # fmt: skip
+                  f"- fp8 tokens equal to bf16's, position by position: {acc['token_match']:.1%} "
+                  f"(floor 90 %: {ok})", "",
+                  "| against bf16 | tokens equal, free-running | identical outputs | "
+                  "bf16's token is its greedy choice (teacher-forced) | logprob drift mean / "
+                  "max (nats) |", "|---|---|---|---|---|"]  # fmt: skip
+        for v in ("fp8", "float32"):
+            a = acc.get(v, acc)
+            lines.append(f"| {v} | {a['token_match']:.1%} | {a['identical_outputs']} "
+                         f"| {a.get('teacher_forced_top1', float('nan')):.1%} "
+                         f"| {a['mean_logprob_drift']:.4f} / {a['max_logprob_drift']:.3f} |")
     elif acc:
         lines += ["\n### fp8 accuracy: failed\n", "```", acc.get("error", "")[-1500:], "```"]
     if gemms:

@@ -38,9 +38,11 @@ class FakeModel(torch.nn.Module):
     def forward(self, input_ids, positions, meta):
         self.calls += 1
 
-        def compute():
-            cols = [input_ids, positions, meta.seq_lens.long(), meta.slot_mapping]
-            return torch.stack(cols + [meta.block_tables[:, 0].long()], -1)
+        def compute():  # each row with its request's length and first block
+            req = torch.searchsorted(meta.query_start_loc[1:].long(),
+                                     torch.arange(len(input_ids)), right=True)  # fmt: skip
+            cols = [input_ids, positions, meta.seq_lens.long()[req], meta.slot_mapping]
+            return torch.stack(cols + [meta.block_tables[req, 0].long()], -1)
 
         out = compute()
         graph = FakeGraph.recording
@@ -50,7 +52,8 @@ class FakeModel(torch.nn.Module):
 
 
 class FakeBackend:
-    def __init__(self, graph_plan: bool = True) -> None:
+    def __init__(self, graph_plan: bool = True, graph_safe_varlen: bool = True) -> None:
+        self.graph_safe_varlen = graph_safe_varlen
         self.workspace_for: list[int] = []
         self.plans: list[tuple[str, int]] = []
         if graph_plan:
@@ -92,13 +95,16 @@ class FakeGraphRunner(GraphStepRunner):
         return "pool"
 
 
-def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6):
+def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6,
+                spec_tokens=None, enable_lora=False, graph_safe_varlen=True):  # fmt: skip
+    spec = None if spec_tokens is None else SimpleNamespace(num_speculative_tokens=spec_tokens)
     config = SimpleNamespace(
-        enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=64, block_size=16
-    )
+        enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=64, block_size=16,
+        speculative_config=spec, enable_lora=enable_lora,
+    )  # fmt: skip
     syncs: list[int] = []
     platform = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: syncs.append(1))
-    runner = cls(FakeModel(), config, platform, FakeBackend(graph_plan))
+    runner = cls(FakeModel(), config, platform, FakeBackend(graph_plan, graph_safe_varlen))
     return runner, syncs
 
 
@@ -225,3 +231,55 @@ def test_plugin_runners_configure_the_core_runner():
     assert rocm.graph_name == "HIP" and rocm.max_capture_size == 512 and rocm.eager_fallback
     xpu = pytest.importorskip("paged_xpu.graphs").XpuGraphStepRunner
     assert xpu.graph_name == "XPU" and xpu.max_capture_size == 256 and xpu.eager_fallback
+
+
+def verify_step(runner, qlens, seq_lens):
+    """A speculative step: request i has qlens[i] query rows (1: a plain decode)."""
+    t = sum(qlens)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_reqs=len(qlens),
+        num_decodes=sum(1 for q in qlens if q == 1) if max(qlens) == 1 else 0,
+        num_tokens=t,
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=(torch.arange(len(qlens)) + 3).int().unsqueeze(1),
+        slot_mapping=torch.arange(t) + 100,
+        max_query_len=max(qlens),
+        max_seq_len=64,
+        query_lens_cpu=list(qlens),
+        seq_lens_cpu=list(seq_lens),
+    )
+    return runner.forward(torch.arange(t) + 5, torch.arange(t) + 20, meta)
+
+
+def test_verification_steps_replay_padded_graphs():
+    runner, _ = make_runner(spec_tokens=2)  # Q = 3 rows per request
+    runner.capture()
+    assert runner.spec_q == 3 and runner.spec_sizes == [1, 2, 4, 6]
+    assert sorted(runner.spec_graphs) == [1, 2, 4, 6] and runner.input_ids.shape == (18,)
+    calls = runner.model.calls
+    out = verify_step(runner, [1, 3, 2], [11, 20, 30])  # padded to 4 requests x 3 rows
+    graph = runner.spec_graphs[4][0]
+    assert graph.replays == 1 and runner.model.calls == calls
+    req = [0, 1, 1, 1, 2, 2]
+    padded_len = [11 + 2, 20, 30 + 1]  # grown by each request's padding rows
+    expected = [[5 + t, 20 + t, padded_len[r], 100 + t, 3 + r] for t, r in enumerate(req)]
+    assert out.tolist() == expected
+    assert runner.slots[:12].tolist() == [100, -1, -1, 101, 102, 103, 104, 105, -1] + [-1] * 3
+    assert runner.seq_lens[3].item() == 0  # the padding request attends to nothing
+    verify_step(runner, [1, 1], [11, 12])  # plain decodes: the decode graph
+    assert runner.graphs[2][0].replays == 1 and graph.replays == 1
+    verify_step(runner, [4, 1], [11, 12])  # a chunk longer than Q: eager
+    verify_step(runner, [2, 1], [62, 12])  # padding would pass max_model_len: eager
+    assert runner.model.calls == calls + 2 and graph.replays == 1
+
+
+@pytest.mark.parametrize("why", ["lora", "backend", "no spec"])
+def test_no_verification_graphs(why):
+    kw = {"lora": {"enable_lora": True}, "backend": {"graph_safe_varlen": False}}.get(why, {})
+    runner, _ = make_runner(spec_tokens=None if why == "no spec" else 2, **kw)
+    runner.capture()
+    assert runner.spec_q == 0 and runner.spec_graphs == {} and len(runner.graphs) == 4
+    out = verify_step(runner, [1, 3], [11, 20])
+    assert out[:, 2].tolist() == [11, 20, 20, 20]  # eager, unpadded

@@ -240,3 +240,30 @@ def test_smaller_tiles(dtype, device):
     refd = reference(qd, kv[0], kv[1], [1] * 3, seq_lens, table, scale)
     assert not outd.isnan().any()
     assert rel_err(outd, refd) < TOL[dtype]
+
+
+def test_varlen_rows_padded_as_verification_graphs_pad_them(device):
+    """The layout of speculative decoding's verification graphs (worker/graph_runner.py):
+    each request's rows padded to Q after its real ones, its length grown by the padding
+    (so its context, length - Q, is unchanged) and the padding's keys read from wherever the
+    table points; the real rows' outputs equal the unpadded batch's."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, d, bs, q_width = 8, 2, 64, 16, 4
+    qlens, slens = [1, 4, 2, 3], [40, 17, 33, 5]
+    kv, table = make_cache([s + q_width for s in slens], kv_heads, d, bs, torch.float32, gen,
+                           device)  # fmt: skip
+    q = torch.randn(sum(qlens), heads, d, generator=gen).to(device)
+    qsl = i32([0, *torch.tensor(qlens).cumsum(0).tolist()], device)
+    ref = torch.zeros_like(q)
+    paged_attention_varlen(q, kv[0], kv[1], ref, qsl, i32(slens, device), table, 0.125,
+                           max(qlens), max(slens))  # fmt: skip
+    rows = torch.tensor([i * q_width + j for i, n in enumerate(qlens) for j in range(n)])
+    padded_q = torch.randn(len(qlens) * q_width, heads, d, generator=gen).to(device)
+    padded_q[rows.to(device)] = q
+    out = torch.zeros_like(padded_q)
+    padded_lens = i32([s + q_width - n for s, n in zip(slens, qlens)], device)
+    padded_qsl = torch.arange(0, len(qlens) * q_width + 1, q_width, dtype=torch.int32,
+                              device=device)  # fmt: skip
+    paged_attention_varlen(padded_q, kv[0], kv[1], out, padded_qsl, padded_lens, table, 0.125,
+                           q_width, max(slens) + q_width)  # fmt: skip
+    torch.testing.assert_close(out[rows.to(device)], ref, rtol=1e-5, atol=1e-5)

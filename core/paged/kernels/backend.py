@@ -26,6 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     layer_features = frozenset({"window", "softcap", "scale"})
     quantized_cache_dtypes = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+    graph_safe_varlen = True  # the varlen grid comes from max_query_len and the batch size
     # Keyword arguments for the kernel wrappers' launch tiles (block_n, num_warps, num_stages,
     # and block_m for varlen). Empty: the kernels' own defaults, tuned on an H200. Subclasses
     # set these, or override `launch_tiles` to choose them from the device.

@@ -39,6 +39,10 @@ class AttentionBackend:
     # quantizes K/V with the layer's scales (`kv_scales`) on write and dequantizes on read.
     # Any other cache dtype than the model's is refused at start-up (`use_cache_dtype`).
     quantized_cache_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()
+    # Whether plan() of a batch with prefill rows depends on static shapes only (its kernels
+    # read lengths and tables from the device), so a graph may capture it: speculative
+    # decoding's verification steps then replay graphs (worker/graph_runner.py).
+    graph_safe_varlen: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -3,6 +3,13 @@ of batch sizes and replayed with the batch padded up to the nearest captured siz
 steps run eagerly, and so does every step after a capture that fails (unless the platform
 asks for the error instead).
 
+With speculative decoding, a second set of graphs runs the verification steps: every request
+padded to Q = 1 + num_speculative_tokens query rows (a plain decode, a verification of fewer
+proposals, or a short prompt chunk alike), its padding rows after its real ones writing no KV
+and its sequence length grown by the padding, so that its context (length - Q) is unchanged
+and causality keeps the padding keys from its real rows. Only backends whose varlen plan is
+fixed by static shapes (`graph_safe_varlen`) get these graphs.
+
 A platform subclasses `GraphStepRunner` and supplies the device's graph API through four
 small methods (`new_graph`, `graph_capture`, `graph_pool`, and `graphs_available` where
 the API may be missing); synchronization goes through `Platform.synchronize`.
@@ -39,10 +46,15 @@ class GraphStepRunner(StepRunner):
     # (True), or let the error propagate (False).
     eager_fallback: ClassVar[bool] = True
 
+    max_spec_capture_size: ClassVar[int] = 128  # the largest verification batch captured
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.sizes: list[int] = []
+        self.spec_graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
+        self.spec_sizes: list[int] = []
+        self.spec_q = self.spec_width()
 
     # The device's graph API: overridden per platform.
 
@@ -67,16 +79,31 @@ class GraphStepRunner(StepRunner):
 
     # Capture and replay.
 
-    def allocate_static_inputs(self, top: int) -> None:
-        """Input buffers the graphs read, sized for the largest captured batch."""
+    def spec_width(self) -> int:
+        """Query rows per request in a verification graph (1 + proposals); 0: no such graphs
+        (no speculative decoding, LoRA's per-token slots, or a backend whose varlen plan
+        reads the host)."""
+        spec = getattr(self.config, "speculative_config", None)
+        if spec is None or getattr(self.config, "enable_lora", False):
+            return 0
+        if not getattr(self.backend, "graph_safe_varlen", False):
+            return 0
+        return 1 + spec.num_speculative_tokens
+
+    def allocate_static_inputs(self, top: int, top_tokens: int | None = None) -> None:
+        """Input buffers the graphs read, sized for the largest captured batch (`top`
+        requests, `top_tokens` query rows: `top` unless verification graphs need more)."""
         cfg, dev = self.config, self.platform.device
         max_blocks = -(-cfg.max_model_len // cfg.block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=dev)
+        rows = max(top, top_tokens or 0)
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        q = max(self.spec_q, 1)
+        self.spec_qsl = torch.arange(0, top * q + 1, q, dtype=torch.int32, device=dev)
 
     def graph_meta(self, n: int) -> AttentionMetadata:
         """The planned metadata of a captured decode batch of `n`: views of the static
@@ -97,41 +124,66 @@ class GraphStepRunner(StepRunner):
             return self.backend.plan(meta)
         return plan_for_graph(meta)
 
+    def spec_graph_meta(self, n: int) -> AttentionMetadata:
+        """The metadata of a captured verification batch of `n` requests x Q rows."""
+        q = self.spec_q
+        meta = AttentionMetadata(
+            num_reqs=n,
+            num_decodes=0,
+            num_tokens=n * q,
+            query_start_loc=self.spec_qsl[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_tables=self.tables[:n],
+            slot_mapping=self.slots[: n * q],
+            max_query_len=q,
+            max_seq_len=self.config.max_model_len,
+        )
+        return self.backend.plan(meta)
+
     def capture(self) -> None:
         if self.config.enforce_eager or not self.graphs_available():
             return
         sizes = capture_sizes(self.config.max_num_seqs, self.max_capture_size)
-        self.allocate_static_inputs(sizes[-1])
+        q = self.spec_q
+        spec_sizes = []
+        if q:  # verification graphs (speculative decoding)
+            spec_sizes = capture_sizes(self.config.max_num_seqs, self.max_spec_capture_size)
+        self.allocate_static_inputs(sizes[-1], max(spec_sizes, default=0) * q)
         ensure_workspace = getattr(self.backend, "ensure_workspace", None)
         if ensure_workspace is not None:  # the backend's workspace for the largest batch
             ensure_workspace(sizes[-1])
         t0 = time.perf_counter()
+        todo = [(n, 1) for n in reversed(sizes)] + [(n, q) for n in reversed(spec_sizes)]
         try:
             pool = self.graph_pool()
             desc = f"Capturing {self.graph_name} graphs"
-            for n in tqdm(list(reversed(sizes)), desc=desc, leave=False):
-                meta = self.graph_meta(n)
+            for n, rows in tqdm(todo, desc=desc, leave=False):
+                meta = self.graph_meta(n) if rows == 1 else self.spec_graph_meta(n)
+                t = n * rows
                 with torch.inference_mode():
                     for _ in range(2):  # warm-up: kernels compile outside the capture
-                        self.model(self.input_ids[:n], self.positions[:n], meta)
+                        self.model(self.input_ids[:t], self.positions[:t], meta)
                     self.synchronize()
                     graph = self.new_graph()
                     with self.graph_capture(graph, pool):
-                        out = self.model(self.input_ids[:n], self.positions[:n], meta)
-                self.graphs[n] = (graph, out, meta)
+                        out = self.model(self.input_ids[:t], self.positions[:t], meta)
+                (self.graphs if rows == 1 else self.spec_graphs)[n] = (graph, out, meta)
         except RuntimeError as e:  # a driver or op that cannot be captured
             if not self.eager_fallback:
                 raise
             log.warning("%s graph capture failed, running eagerly: %s", self.graph_name, e)
             self.graphs.clear()
+            self.spec_graphs.clear()
             return
         self.synchronize()
-        self.sizes = sizes
+        self.sizes, self.spec_sizes = sizes, spec_sizes
+        spec = f", verification batch 1..{spec_sizes[-1]} x {q} rows" if spec_sizes else ""
         log.info(
-            "captured %d %s graphs (decode batch 1..%d) in %.1f s",
-            len(self.graphs),
+            "captured %d %s graphs (decode batch 1..%d%s) in %.1f s",
+            len(self.graphs) + len(self.spec_graphs),
             self.graph_name,
             sizes[-1],
+            spec,
             time.perf_counter() - t0,
         )
 
@@ -140,6 +192,8 @@ class GraphStepRunner(StepRunner):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         n = meta.num_reqs
+        if meta.num_decodes != n and self._fits_spec_graph(meta):
+            return self._spec_forward(input_ids, positions, meta)
         if not self.graphs or meta.num_decodes != n or n > self.sizes[-1]:
             return super().forward(input_ids, positions, meta)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -155,3 +209,43 @@ class GraphStepRunner(StepRunner):
             self.seq_lens[n:size].fill_(0)
         graph.replay()
         return out[:n]
+
+    def _fits_spec_graph(self, meta: AttentionMetadata) -> bool:
+        """Whether a verification graph runs this step: each request's query rows fit in Q
+        and its padded length stays within the block table."""
+        return bool(
+            self.spec_graphs
+            and meta.num_reqs <= self.spec_sizes[-1]
+            and meta.max_query_len <= self.spec_q
+            and max(meta.seq_lens_cpu, default=0) + self.spec_q <= self.config.max_model_len
+        )
+
+    def _spec_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Replay the verification graph: request i's rows at [i * Q, i * Q + len), padding
+        rows after them (token 0, position 0, no KV slot), its length grown by the padding."""
+        n, q = meta.num_reqs, self.spec_q
+        size = self.spec_sizes[bisect.bisect_left(self.spec_sizes, n)]
+        graph, out, _ = self.spec_graphs[size]
+        lens = meta.query_lens_cpu
+        rows = torch.tensor(
+            [i * q + j for i, ln in enumerate(lens) for j in range(ln)], dtype=torch.long
+        )
+        padded = torch.tensor([s + q - ln for s, ln in zip(meta.seq_lens_cpu, lens)],
+                              dtype=torch.int32)  # fmt: skip
+        rows = rows.to(self.input_ids.device, non_blocking=True)
+        t = size * q
+        self.input_ids[:t].zero_()
+        self.positions[:t].zero_()
+        self.slots[:t].fill_(-1)
+        self.input_ids.index_copy_(0, rows, input_ids)
+        self.positions.index_copy_(0, rows, positions)
+        self.slots.index_copy_(0, rows, meta.slot_mapping)
+        self.seq_lens[:n].copy_(padded, non_blocking=True)
+        width = meta.block_tables.shape[1]
+        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if size > n:  # padding requests attend to nothing
+            self.seq_lens[n:size].fill_(0)
+        graph.replay()
+        return out.index_select(0, rows)
