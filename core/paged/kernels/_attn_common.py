@@ -50,10 +50,13 @@ def _load_kv_tile(
 def _dequant_tile(k_t, v, q, QUANT: tl.constexpr, UPCAST: tl.constexpr):
     """fp8 K/V tiles in q's dtype (fp32 under the CPU interpreter); the per-head scales are
     applied to the scores (k) and the output (v), not here."""
+    # One return: the compiler types every return statement, even one under a false
+    # constexpr branch, and refuses returns of different types.
     if QUANT:
         if UPCAST:
-            return k_t.to(tl.float32), v.to(tl.float32)
-        return k_t.to(q.dtype), v.to(q.dtype)
+            k_t, v = k_t.to(tl.float32), v.to(tl.float32)
+        else:
+            k_t, v = k_t.to(q.dtype), v.to(q.dtype)
     return k_t, v
 
 
