@@ -63,7 +63,7 @@ def machine() -> str:
 def git_rev() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty", "--abbrev=7"],  # -dirty: edited tree
             capture_output=True,
             text=True,
             cwd=RESULTS.parent,

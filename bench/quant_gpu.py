@@ -295,7 +295,7 @@ def main() -> int:
     a("--_accuracy", nargs=2, default=None, help=argparse.SUPPRESS)  # child: variant, out
     a("--_accuracy-ref", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.acc_model == "default":
+    if args.acc_model == "default" and not args.skip_accuracy:
         from paged.model.loader import default_model_path
 
         args.acc_model = default_model_path()

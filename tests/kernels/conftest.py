@@ -24,3 +24,12 @@ def device() -> str:
 
     assert torch.cuda.is_available(), "TRITON_INTERPRET=0 needs a GPU"
     return "cuda"
+
+
+@pytest.fixture
+def interpreter_only() -> None:
+    """Tests that run the Triton kernels on CPU tensors (the engine on the cpu platform with
+    the Triton backend): only under the interpreter; on a GPU, bench/gpu_check.py runs the
+    engine with these kernels."""
+    if os.environ["TRITON_INTERPRET"] != "1":
+        pytest.skip("the Triton kernels on CPU tensors: interpreter only")

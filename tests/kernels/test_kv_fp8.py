@@ -144,7 +144,7 @@ def test_scales_only_for_fp8(device):
                           device=device), torch.ones(1, device=device))  # fmt: skip
 
 
-def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch):
+def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch, interpreter_only):
     """The engine on the Triton backend (interpreted) with an fp8 cache: a prompt of many
     prefill chunks, then decode; greedy tokens equal HF's with its K/V rounded through fp8."""
     from kv_fp8_hf import hf_greedy_fp8
@@ -167,7 +167,7 @@ def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch):
     assert got == hf_greedy_fp8(path, prompts, 4, torch.float8_e4m3fn)
 
 
-def test_backend_probes_fp8_at_start_up(monkeypatch):
+def test_backend_probes_fp8_at_start_up(monkeypatch, interpreter_only):
     """The Triton backend writes and reads a tiny fp8 cache when told to use one: a device
     whose Triton cannot convert fp8 is refused then, with the reason."""
     from paged.kernels.backend import TritonAttentionBackend

@@ -28,7 +28,7 @@ class TritonOnCpu(CpuPlatform):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_prompt_of_many_chunks_matches_hf(tiny_models, monkeypatch, overlap):
+def test_prompt_of_many_chunks_matches_hf(tiny_models, monkeypatch, overlap, interpreter_only):
     from transformers import AutoModelForCausalLM
 
     path = tiny_models["llama"]

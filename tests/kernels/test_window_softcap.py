@@ -127,7 +127,7 @@ def test_released_blocks_are_never_read(window, block_n, device):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_engine_releases_window_blocks_on_triton(tmp_path, monkeypatch):
+def test_engine_releases_window_blocks_on_triton(tmp_path, monkeypatch, interpreter_only):
     """The engine on the Triton backend (interpreted), every layer windowed: blocks out of the
     window are released (null block, here NaN, in the table) while chunked prefill and decode
     run; greedy tokens equal HF's."""
