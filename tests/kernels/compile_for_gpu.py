@@ -1,0 +1,166 @@
+"""Compile every portable Triton kernel for an NVIDIA Hopper GPU (sm_90) without one: the
+kernels' Python wrappers run on `meta` tensors (shapes and dtypes only, so each wrapper picks
+the launch options it picks on a GPU), and the launch compiles the kernel for the target
+instead of running it. The interpreter, which runs the CPU tests, accepts code the compiler
+refuses (a kernel with returns of two types); this catches that class of error in CI.
+
+Run as a script (tests/kernels/test_compile_gpu.py does): TRITON_INTERPRET must be unset.
+Prints one line per compiled variant and exits non-zero on the first compiler error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "core"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+         torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64",
+         torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+         torch.bool: "i1"}  # fmt: skip
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+compiled: set = set()
+
+
+def compile_only(self: JITFunction, *args, grid, warmup, **kwargs):
+    """JITFunction.run's stand-in: compile for TARGET with the launch's types and constants."""
+    opts = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+    bound = self.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    sig, consts = {}, {}
+    for p in self.params:
+        v = bound.arguments[p.name]
+        if p.is_constexpr or v is None:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i64" if not -(2**31) <= v < 2**31 else "i32"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{self.fn.__name__}: argument {p.name} of type {type(v)}")
+    key = (self.fn.__name__, tuple(sig.items()), repr(sorted(consts.items())), repr(opts))
+    if key not in compiled:
+        triton.compile(ASTSource(self, sig, consts), target=TARGET, options=opts)
+        compiled.add(key)
+        print(f"compiled {self.fn.__name__} {sorted((k, v) for k, v in consts.items())}")
+
+
+JITFunction.run = compile_only
+META = torch.device("meta")
+
+
+def t(*shape, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=META)
+
+
+def attention() -> None:
+    from paged.kernels import (
+        decode_workspace,
+        paged_attention_decode,
+        paged_attention_varlen,
+        reshape_and_cache,
+    )
+
+    heads, kv_heads, bs, blocks, seqs = 8, 2, 16, 8, 3
+    variants = [
+        (128, dtype, layer)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+        for layer in ({}, {"window": 32, "softcap": 50.0})
+    ]
+    variants.append((96, torch.bfloat16, {}))  # a head size that is not a power of two
+    for head_dim, cache_dtype, layer in variants:
+        fp8 = cache_dtype != torch.bfloat16
+        scales = {"k_scale": t(kv_heads, dtype=torch.float32),
+                  "v_scale": t(kv_heads, dtype=torch.float32)} if fp8 else {}  # fmt: skip
+        cache = t(2, blocks, bs, kv_heads, head_dim, dtype=cache_dtype)
+        kv = t(10, kv_heads, head_dim)
+        reshape_and_cache(kv, kv, cache[0], cache[1], t(10, dtype=torch.int64), **scales)
+        seq_lens, table = t(seqs, dtype=torch.int32), t(seqs, 4, dtype=torch.int32)
+        q = t(seqs, heads, head_dim)
+        for splits in (1, 4):
+            ws = decode_workspace(seqs, heads, head_dim, 4, META) if splits > 1 else None
+            paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), seq_lens, table,
+                                   0.1, 64, splits, ws, **layer, **scales)  # fmt: skip
+        q = t(20, heads, head_dim)
+        paged_attention_varlen(q, cache[0], cache[1], torch.empty_like(q),
+                               t(seqs + 1, dtype=torch.int32), seq_lens, table, 0.1, 12, 64,
+                               **layer, **scales)  # fmt: skip
+
+
+def fused() -> None:
+    from paged.kernels import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul
+
+    x, w = t(4, 256), t(256)
+    rms_norm(x, w, 1e-6)
+    fused_add_rms_norm(x, t(4, 256), w, 1e-6)
+    qkv = t(4, 12 * 64)
+    rotary_embedding(t(4, dtype=torch.int64), qkv[:, : 8 * 64].view(4, 8, 64),
+                     qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
+                     64)  # fmt: skip
+    silu_and_mul(t(4, 512))
+
+
+def quantized_linears() -> None:
+    from paged.kernels.fp8_gemm import fp8_linear
+    from paged.kernels.int4_gemm import int4_linear
+
+    n, k = 256, 512
+    w8 = t(n, k, dtype=torch.float8_e4m3fn)
+    for rows in (1, 64):  # the GEMV (decode) and the GEMM
+        x = t(rows, k)
+        fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
+        fp8_linear(x, w8, t(n, k // 128, dtype=torch.float32), 128, t(n))  # blocks, bias
+        groups = k // 128
+        int4_linear(x, t(n, k // 8, dtype=torch.int32), t(n, groups, dtype=torch.float32),
+                    t(n, groups, dtype=torch.uint8), 128)  # fmt: skip
+        int4_linear(x, t(n, k // 8, dtype=torch.int32), t(n, k // 32, dtype=torch.float32),
+                    t(n, k // 32, dtype=torch.uint8), 32, t(n),
+                    t(n, k // 32, dtype=torch.float32))  # GGUF Q4_1: mins  # fmt: skip
+
+
+def moe_and_lora() -> None:
+    from paged.kernels import fused_moe
+
+    experts, hidden, inter, top_k = 8, 256, 128, 2
+    for tokens in (1, 64):  # per-pair GEMVs and the blocked GEMM
+        fused_moe(t(tokens, hidden), t(experts, 2 * inter, hidden), t(experts, hidden, inter),
+                  t(tokens, top_k, dtype=torch.float32),
+                  t(tokens, top_k, dtype=torch.int64))  # fmt: skip
+    import numpy as np
+
+    from paged.kernels import lora_expand, lora_shrink
+    from paged.lora.batch import LoRABatch, buffer_size, pack
+
+    slots, rank, k, outs = 3, 16, 512, [256, 64, 64]
+    for token_slot in ([0, 1, -1, 2], [i % 4 - 1 for i in range(100)]):
+        host, starts = pack(np.asarray(token_slot, dtype=np.int64), slots)
+        batch = LoRABatch.on(t(buffer_size(slots, len(token_slot)), dtype=torch.int64), slots)
+        batch.starts_host = starts
+        x = t(len(token_slot), k)
+        xa = lora_shrink(x, t(slots, len(outs) * rank, k), batch)
+        lora_expand(t(len(token_slot), sum(outs)), xa, t(slots, sum(outs), rank), outs, batch)
+
+
+def main() -> int:
+    for part in (attention, fused, quantized_linears, moe_and_lora):
+        part()
+    print(f"{len(compiled)} kernel variants compiled for {TARGET}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
