@@ -387,8 +387,8 @@ def _check_lora(c: EngineConfig) -> None:
     c.lora_modules = parse_lora_modules(c.lora_modules)
     if c.lora_modules and not c.enable_lora:
         raise ValueError("lora_modules: LoRA adapters need --enable-lora")
-    if c.enable_lora and c.world_size > 1:
+    if c.enable_lora and c.pipeline_parallel_size > 1:
         raise ValueError(
-            "enable_lora: LoRA runs on one device per replica for now (tensor_parallel_size "
-            "and pipeline_parallel_size 1; use --data-parallel-size for more devices)"
+            "enable_lora: LoRA is not supported with pipeline_parallel_size > 1 yet (tensor "
+            "parallelism and --data-parallel-size are)"
         )

@@ -163,6 +163,13 @@ def broadcast_host(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     return t
 
 
+def broadcast_object_host(obj: object = None, src: int = 0) -> object:
+    """Broadcast a picklable object from `src` over the gloo group (others pass nothing)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=_state.cpu_group)
+    return box[0]
+
+
 def all_reduce_min_host(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_state.cpu_group)

@@ -7,6 +7,13 @@ adapter of a step gets a slot; a slot is only reloaded when its adapter is not i
 The step's lists live in one static device buffer ([starts | token ids]), rewritten before
 each forward: captured decode graphs read it in place (the CUDA-graph choice: LoRA runs
 inside the graphs, no step falls back to eager because of it).
+
+Under tensor parallelism each rank holds its shard of every adapter, cut like the base weights:
+a column-parallel projection (qkv, gate_up) keeps A whole and this rank's rows of B; a
+row-parallel one (o, down) this rank's columns of A and B whole, so its partial LoRA output
+joins the layer's partial output before the all-reduce that sums them. Every rank runs
+`prepare` with the same adapters and `forget` at the same point between steps (the driver
+sends them with the step), so their slots agree.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,21 +49,49 @@ TARGET_SLICES = {
 FUSED_PATHS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
 
 
-def _shapes(layer: nn.Module, cfg) -> dict[str, tuple[int, list[int]]]:
-    """{module path: (in features, [out features per slice])} of the layer's LoRA targets."""
-    out: dict[str, tuple[int, list[int]]] = {}
+@dataclass(frozen=True)
+class Target:
+    """A projection LoRA applies to: this rank's shard of the whole model's."""
+
+    fin: int  # this rank's input features
+    outs: list[int]  # this rank's output features per slice
+    full_in: int  # the whole projection's
+    full_outs: list[int]
+    cols: tuple[int, int]  # this rank's input columns of the whole projection
+    rows: list[tuple[int, int]]  # per slice: this rank's output rows of the whole slice
+
+
+def _targets(layer: nn.Module, cfg) -> dict[str, Target]:
+    """{module path: Target} of the layer's LoRA targets."""
+    out: dict[str, Target] = {}
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     hidden = cfg.hidden_size
+    whole = (0, hidden)
     if attn is not None and hasattr(attn, "qkv_proj") and hasattr(attn, "sizes"):
-        out["self_attn.qkv_proj"] = (hidden, list(attn.sizes))
+        sh, hd = attn.shard, attn.head_dim
+        full_q, full_kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        q_rows = (sh.q_start * hd, (sh.q_start + sh.q_count) * hd)
+        kv_rows = (sh.kv_start * hd, (sh.kv_start + sh.kv_count) * hd)
+        out["self_attn.qkv_proj"] = Target(hidden, list(attn.sizes), hidden,
+                                           [full_q, full_kv, full_kv], whole,
+                                           [q_rows, kv_rows, kv_rows])  # fmt: skip
         if hasattr(attn, "o_proj"):
-            out["self_attn.o_proj"] = (attn.sizes[0], [hidden])
+            out["self_attn.o_proj"] = Target(attn.sizes[0], [hidden], full_q, [hidden], q_rows,
+                                             [whole])  # fmt: skip
     if mlp is not None and hasattr(mlp, "gate_up_proj") and hasattr(mlp, "inter_end"):
-        inter = mlp.inter_end - mlp.inter_start
-        out["mlp.gate_up_proj"] = (hidden, [inter, inter])
+        s, e = mlp.inter_start, mlp.inter_end
+        full = cfg.intermediate_size
+        out["mlp.gate_up_proj"] = Target(hidden, [e - s, e - s], hidden, [full, full], whole,
+                                         [(s, e), (s, e)])  # fmt: skip
         if hasattr(mlp, "down_proj"):
-            out["mlp.down_proj"] = (inter, [hidden])
+            out["mlp.down_proj"] = Target(e - s, [hidden], full, [hidden], (s, e), [whole])
     return out
+
+
+def shard(t: Target, a: torch.Tensor, b: torch.Tensor, j: int) -> tuple[torch.Tensor, ...]:
+    """This rank's (A [r, fin], B [out_j, r]) of slice j's whole (A [r, full_in], B)."""
+    (c0, c1), (r0, r1) = t.cols, t.rows[j]
+    return a[:, c0:c1], b[r0:r1]
 
 
 class LoRAManager:
@@ -77,35 +113,36 @@ class LoRAManager:
         self.buf = torch.zeros(size, dtype=torch.int64, device=device)
         self.batch = step_batch.LoRABatch.on(self.buf, s)
         self.layers: list[dict[str, LoRALinear]] = []
-        shapes = [_shapes(layer, hf_config) for layer in model.layers]
-        common = set.intersection(*(set(sh) for sh in shapes)) if shapes else set()
-        for layer, sh in zip(model.layers, shapes):
+        self.targets = [_targets(layer, hf_config) for layer in model.layers]
+        common = set.intersection(*(set(t) for t in self.targets)) if self.targets else set()
+        for layer, targets in zip(model.layers, self.targets):
             wrapped = {}
             for path in sorted(common):
                 parent_name, _, attr = path.rpartition(".")
                 parent = layer.get_submodule(parent_name)
-                fin, outs = sh[path]
-                mod = LoRALinear(getattr(parent, attr), fin, outs, s, self.rank, self.batch,
+                t = targets[path]
+                mod = LoRALinear(getattr(parent, attr), t.fin, t.outs, s, self.rank, self.batch,
                                  dtype, device)  # fmt: skip
                 setattr(parent, attr, mod)
                 wrapped[path] = mod
             self.layers.append(wrapped)
-        # {HF module: (in, out)} of the whole model, for checking adapters (TP=1 only)
-        first = shapes[0] if shapes else {}
+        # {HF module: (in, out)} of the whole (unsharded) model, for checking adapters
+        first = self.targets[0] if self.targets else {}
         self.expected = {
-            name: (first[path][0], first[path][1][j])
+            name: (first[path].full_in, first[path].full_outs[j])
             for name, (path, j) in TARGET_SLICES.items()
             if path in common
         }
         for name, path in FUSED_PATHS.items():  # a LoRA over the whole stacked output
             if path in common:
-                self.expected[name] = (first[path][0], sum(first[path][1]))
+                self.expected[name] = (first[path].full_in, sum(first[path].full_outs))
         self.num_layers = hf_config.num_hidden_layers
         self.specs: dict[int, AdapterSpec] = {}  # checked adapters by id
         self.host: OrderedDict[int, dict] = OrderedDict()  # host tensors, LRU
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.free_slots = list(range(s))
         self.loads = 0  # adapters loaded into a slot (for tests and logs)
+        self.forgotten: list[int] = []  # ids forgotten since the last step (for other ranks)
 
     # ---- adapters ---------------------------------------------------------------------
     def check(self, lora: LoRARequest) -> AdapterSpec:
@@ -126,6 +163,7 @@ class LoRAManager:
 
     def forget(self, lora_int_id: int) -> None:
         """Drop an adapter (unloaded): its slot and host copy are freed."""
+        self.forgotten.append(lora_int_id)
         self.specs.pop(lora_int_id, None)
         self.host.pop(lora_int_id, None)
         slot = self.slot_of.pop(lora_int_id, None)
@@ -158,15 +196,17 @@ class LoRAManager:
             slot = self.slot_of.pop(victim)
         for i, wrapped in enumerate(self.layers):
             for path, mod in wrapped.items():
+                t = self.targets[i][path]
                 slices = {
-                    j: tensors[(i, name)]
+                    j: shard(t, *tensors[(i, name)], j)
                     for name, (p, j) in TARGET_SLICES.items()
                     if p == path and (i, name) in tensors
                 }
                 for name, p in FUSED_PATHS.items():  # its A for every slice, B split
                     if p == path and (i, name) in tensors:
                         a, b = tensors[(i, name)]
-                        slices = dict(enumerate((a, bj) for bj in b.split(mod.out_sizes)))
+                        slices = {j: shard(t, a, bj, j)
+                                  for j, bj in enumerate(b.split(t.full_outs))}  # fmt: skip
                 mod.set_slot(slot, slices)
         self.slot_of[lid] = slot
         self.loads += 1
@@ -174,9 +214,10 @@ class LoRAManager:
         return slot
 
     # ---- one step ---------------------------------------------------------------------
-    def prepare(self, reqs: list, num_new: list[int]) -> None:
-        """Load the step's adapters into slots and write its tokens grouped by slot."""
-        loras = [getattr(r, "lora_request", None) for r in reqs]
+    def prepare(self, loras: list[LoRARequest | None], num_new: list[int]) -> None:
+        """Load the step's adapters (one per request, None: the base model) into slots and
+        write its tokens grouped by slot."""
+        self.forgotten.clear()
         keep = {lo.lora_int_id for lo in loras if lo is not None}
         if len(keep) > self.max_loras:
             raise RuntimeError(f"{len(keep)} adapters in one step, {self.max_loras} slots")

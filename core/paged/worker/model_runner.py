@@ -8,7 +8,12 @@ import time
 import torch
 
 from paged.config import EngineConfig
-from paged.distributed import broadcast_host, parallel
+from paged.distributed import (
+    all_reduce_min_host,
+    broadcast_host,
+    broadcast_object_host,
+    parallel,
+)
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
 from paged.model.kv_quant import KVScales
@@ -225,7 +230,10 @@ class ModelRunner:
                 broadcast_host(view)
         input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
         if self.lora is not None:  # the step's adapters in slots, its tokens by slot
-            self.lora.prepare(batch.reqs, meta.query_lens_cpu)  # the forward's tokens
+            loras = [getattr(r, "lora_request", None) for r in batch.reqs]
+            if parallel().world_size > 1:  # the other ranks load the same (follow)
+                broadcast_object_host((loras, list(self.lora.forgotten)))
+            self._prepare_lora(loras, meta.query_lens_cpu)  # the forward's tokens
         if fill is not None:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:
@@ -294,11 +302,34 @@ class ModelRunner:
             handle.event.record()
         return tensors
 
+    def _prepare_lora(self, loras: list, query_lens: list[int]) -> None:
+        """The step's adapters into slots; with several ranks, all of them or none (a rank
+        that cannot load them fails the step on every rank, instead of leaving the others
+        waiting in the forward's collectives)."""
+        error: Exception | None = None
+        try:
+            self.lora.prepare(loras, query_lens)
+        except Exception as e:
+            error = e
+        if parallel().world_size > 1 and all_reduce_min_host(int(error is None)) == 0:
+            error = error or RuntimeError("LoRA: another rank could not load this step's adapters")
+        if error is not None:
+            raise error
+
     @torch.inference_mode()
     def follow(self, header: list[int]) -> None:
         """A rank other than the driver: run the step whose inputs just arrived in the current
         host buffers (its part of the forward, and of the logits' gather)."""
         input_ids, positions, meta, logits_idx, _ = self.inputs.load(header)
+        if self.lora is not None:  # the driver's adapters for this step, in the same slots
+            loras, forgotten = broadcast_object_host()
+            for lora_int_id in forgotten:
+                self.lora.forget(lora_int_id)
+            try:
+                self._prepare_lora(loras, meta.query_lens_cpu)
+            except Exception:  # every rank skips this step's forward; the driver reports it
+                log.exception("LoRA adapters of a step could not be loaded")
+                return
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
         hidden = self.forward(input_ids, positions, meta, logits_idx)
