@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -103,6 +105,8 @@ class EngineCore:
             config.structured_outputs_backend,
         )
         self.structured.pin_memory = self.platform.pin_memory
+        self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
+        self._early_done: threading.Event | None = None  # its matchers took prev's tokens
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
@@ -272,7 +276,10 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if self.spec is not None:  # proposals for the decodes given lookahead slots
             self.spec.propose(batch)
-        if self.structured.masks:  # filled by the driver while the forward runs
+        fill = None
+        if self.structured.masks and prev is not None:  # filled beside prev's resolve
+            fill = batch.token_bitmask = self._fill_beside(batch, prev)
+        elif self.structured.masks:  # filled by the driver while the forward runs
             batch.token_bitmask = partial(self._bitmask, batch, prev)
         launched = None
         if batch.reqs:
@@ -284,10 +291,43 @@ class EngineCore:
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
             outs += self._resolve(prev)
+        if fill is not None:  # the mask is filled: queue the step's sampling
+            try:
+                if launched is not None:
+                    launched[1].finish()
+            except Exception as e:
+                self._fatal(e)
+                outs += self._fail([r for r in batch.reqs if not r.finished], e)
+                launched = None
+            finally:
+                fill.wait()  # never two fills at once, whatever failed
         self.inflight = launched if self.runner.overlap else None
         if launched is not None and not self.runner.overlap:
             outs += self._resolve(launched)
         return outs
+
+    def _fill_beside(self, batch, prev) -> DeferredMask:
+        """Start `batch`'s masks in a thread: the matchers first take the tokens of the step in
+        flight (`prev`; `_resolve` waits for that part), then xgrammar fills the rows (C++,
+        without the GIL) while this thread resolves `prev` (detokenizing, stop checks). The
+        runner leaves the step's sampling to `StepHandle.finish`, called once both are done."""
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="paged-mask")
+        early = self._early_done = threading.Event()
+
+        def run():
+            try:
+                handle = prev[1]
+                try:
+                    sampled, _ = handle.result()
+                except Exception:  # the step failed: _resolve(prev) reports it
+                    sampled = []
+                self.structured.accept_early(handle.reqs, sampled)
+            finally:
+                early.set()
+            return self.structured.bitmask(batch)
+
+        return DeferredMask(self._filler.submit(run))
 
     def _bitmask(self, batch, prev):
         """`batch`'s masks, called by the driver once the forward is queued. With a step still
@@ -316,6 +356,9 @@ class EngineCore:
 
     def _resolve(self, launched) -> list[EngineOutput]:
         batch, handle, computed = launched
+        if self._early_done is not None:  # the mask thread takes these tokens first
+            self._early_done.wait()
+            self._early_done = None
         try:
             sampled, logprobs = handle.result()
             embeddings = handle.embeddings()
@@ -372,6 +415,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the workers (a no-op with one rank)."""
+        if self._filler is not None:
+            self._filler.shutdown(wait=False)
         self.executor.shutdown()
 
     def _fail(self, reqs: list[Request], e: Exception) -> list[EngineOutput]:
@@ -396,3 +441,22 @@ class EngineCore:
             max(req.num_cached_tokens, 0),
             error,
         )
+
+
+class DeferredMask:
+    """A step's structured-outputs bitmask being filled in a thread: the runner defers the
+    step's sampling when handed one (`deferred`), and calling it waits for the mask."""
+
+    deferred = True
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def __call__(self):
+        return self.future.result()
+
+    def wait(self) -> None:
+        try:
+            self.future.result()
+        except Exception:  # reported through the step that used it
+            pass

@@ -299,20 +299,22 @@ class StructuredOutputs:
     # ---- each step -----------------------------------------------------------------
     def bitmask(self, batch: Any) -> TokenBitmask | None:
         """The mask of `batch`'s masked requests that sample in this step (forked sequences
-        included), or None. Called after scheduling, before the step's tokens are added."""
+        included), or None. Called after scheduling, before the step's tokens are added; with
+        a step in flight, in the engine's mask thread while the engine resolves that step."""
+        held = self.masks.copy()  # the engine may free finished ones while this runs
         sampling = [
             r
             for r, n in zip(batch.reqs, batch.num_new)
-            if r.request_id in self.masks and r.num_computed_tokens + n >= r.num_tokens
+            if r.request_id in held and r.num_computed_tokens + n >= r.num_tokens
         ]
         sampling += [s for _, seqs in getattr(batch, "forks", ()) for s in seqs
-                     if s.request_id in self.masks]  # fmt: skip
+                     if s.request_id in held]  # fmt: skip
         if not sampling:
             return None
         shape = (len(sampling), words_of(self.vocab_size))
         bm = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
         words = bm.numpy().view(np.uint32)
-        masks = [self.masks[r.request_id] for r in sampling]
+        masks = [held[r.request_id] for r in sampling]
         live = [
             (k, m.matcher)
             for k, m in enumerate(masks)

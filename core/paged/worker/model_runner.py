@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -222,6 +224,8 @@ class ModelRunner:
         sampled tokens on the device."""
         for rid in batch.finished_ids:
             self.generators.pop(rid, None)
+        if prev is not None:  # its tokens feed this step
+            prev.finish()
         prev_rows = prev.rows if prev is not None else None
         header = self.inputs.pack_host(batch, prev_rows)
         if parallel().world_size > 1:  # the other ranks run the same step (worker.follow_steps)
@@ -271,12 +275,27 @@ class ModelRunner:
             return handle
         if batch.forks:  # forked sequences sample from their leader's row
             logits, reqs = fork_rows(logits, reqs, batch.forks)
-        want = [r.params.logprobs for r in reqs]
-        k = max((w or 0 for w in want), default=0)
-        sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
+        handle = StepHandle(reqs, None, [r.params.logprobs for r in reqs], None)
+        handle.prompt = prompt
         mask = batch.token_bitmask  # structured outputs etc.: masked in the sampler
+        if getattr(mask, "deferred", False):  # the engine finishes the step once it is filled
+            handle.pending = partial(self._sample_deferred, handle, logits, mask, prompt)
+            return handle
         if callable(mask):  # filled now, while the device runs the queued forward
             mask = mask()
+        self._sample(handle, logits, mask, prompt)
+        return handle
+
+    @torch.inference_mode()
+    def _sample_deferred(self, handle: StepHandle, logits: torch.Tensor, mask, prompt) -> None:
+        self._sample(handle, logits, mask(), prompt)
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, mask, prompt) -> None:
+        """Queue the step's sampling (masked by `mask`, the structured outputs' bitmask, or
+        None), its logprobs, and the host copies `handle` reads."""
+        reqs, want = handle.reqs, handle.want
+        k = max((w or 0 for w in want), default=0)
+        sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
         if mask is not None:
             sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
         tokens = sample(logits, sb)
@@ -287,11 +306,9 @@ class ModelRunner:
             extra += [chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1]  # value, rank
             if k:
                 extra.extend(logprobs.topk(k, dim=-1))
-        handle = StepHandle(reqs, tokens, want, None)
-        handle.prompt = prompt
+        handle.tokens = tokens
         copies = self._host_copies(handle, [tokens, *extra, *(prompt[1] if prompt else [])])
         handle.host, handle.prompt_host = copies[: 1 + len(extra)], copies[1 + len(extra) :]
-        return handle
 
     def _host_copies(self, handle: StepHandle, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors as result() reads them: host copies that an event marks done where the
@@ -423,6 +440,14 @@ class StepHandle:
         self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
         self.prompt_host: list[torch.Tensor] = []
         self.pooled = None  # embeddings: (request ids, lengths, vectors concatenated)
+        # The sampling still to queue (a deferred structured-outputs mask): finish() runs it.
+        self.pending: Callable[[], None] | None = None
+
+    def finish(self) -> None:
+        """Queue the step's sampling if it was deferred (its mask being filled)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending()
 
     def embeddings(self) -> dict[str, list[float]]:
         """{request id: vector} of the embedding requests this step completed. Waits for it."""
@@ -461,6 +486,7 @@ class StepHandle:
         """(a sampled token per request, {request id: {token: logprob}} for those that asked
         for logprobs, the sampled token's first). Waits for this step only."""
         if self._result is None:
+            self.finish()
             if self.event is not None:
                 self.event.synchronize()
             if not self.reqs:
