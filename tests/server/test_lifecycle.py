@@ -54,12 +54,17 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model, launch):
 
 def test_sigterm_finishes_in_flight_then_exits_zero(tiny_model, launch):
     srv = launch([tiny_model, *TINY_ARGS])
-    body = {"prompt": "hello", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    # 240 tokens: the stream outlasts the checks below (100 took ~0.2 s, and a loaded
+    # machine once finished them, drained and exited before the first check)
+    body = {"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        for _ in range(100):  # until the signal is handled
+            if httpx.get(srv.url + "/health", timeout=5).status_code == 503:
+                break
+            time.sleep(0.01)
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 503
         late = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
