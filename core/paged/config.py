@@ -384,11 +384,11 @@ def _check_lora(c: EngineConfig) -> None:
         raise ValueError("max_loras and max_lora_rank must be at least 1")
     if c.max_cpu_loras is not None and c.max_cpu_loras < c.max_loras:
         raise ValueError(f"max_cpu_loras ({c.max_cpu_loras}) must be >= max_loras ({c.max_loras})")
+    if c.enable_lora and c.pipeline_parallel_size > 1 and c.pipeline_micro_batches > 1:
+        raise ValueError(
+            "pipeline_micro_batches: with --enable-lora a step goes through the pipeline stages "
+            "as one group (its LoRA token slots describe the whole step); leave it 0 or 1"
+        )
     c.lora_modules = parse_lora_modules(c.lora_modules)
     if c.lora_modules and not c.enable_lora:
         raise ValueError("lora_modules: LoRA adapters need --enable-lora")
-    if c.enable_lora and c.pipeline_parallel_size > 1:
-        raise ValueError(
-            "enable_lora: LoRA is not supported with pipeline_parallel_size > 1 yet (tensor "
-            "parallelism and --data-parallel-size are)"
-        )

@@ -118,8 +118,9 @@ def test_lora_request_needs_enable_lora(lora_model, adapters):
 
     with pytest.raises(ValueError, match="enable-lora"):
         EngineConfig(model=lora_model, lora_modules=[f"a={adapters['alpha']}"])
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        EngineConfig(model=lora_model, enable_lora=True, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_micro_batches"):
+        EngineConfig(model=lora_model, enable_lora=True, pipeline_parallel_size=2,
+                     pipeline_micro_batches=2)  # fmt: skip
 
 
 def test_fused_projections_phi3(tmp_path, adapter_maker, hf_greedy):

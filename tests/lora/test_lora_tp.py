@@ -1,9 +1,10 @@
-"""LoRA under tensor parallelism (gloo, two worker processes on CPU): each rank holds its
-shard of every adapter (column-parallel projections their rows of B, row-parallel ones their
-columns of A) and loads the driver's adapters into the same slots. A batch mixing two adapters
-and the base model is greedy-identical to HF with each adapter merged; one slot forces
-evictions; an adapter id unloaded and reused for another adapter is reloaded on every rank;
-an adapter gone from disk fails its step on every rank, and the engine serves on."""
+"""LoRA under tensor and pipeline parallelism (gloo, two worker processes on CPU). Each rank
+holds its shard of every adapter (column-parallel projections their rows of B, row-parallel
+ones their columns of A; a pipeline stage its own layers) and loads the driver's adapters into
+the same slots. A batch mixing two adapters and the base model is greedy-identical to HF with
+each adapter merged; one slot forces evictions; an adapter id unloaded and reused for another
+adapter is reloaded on every rank; an adapter gone from disk fails its step on every rank, and
+the engine serves on."""
 
 from __future__ import annotations
 
@@ -54,5 +55,21 @@ def test_tp2_matches_hf_merged(lora_model, adapters, hf_models, hf_greedy, tmp_p
         assert out.outputs[0].token_ids == hf_greedy(hf_models["alpha"], ps[1], N)
         llm.engine.kv.check_invariants()
         assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    finally:
+        llm.engine.shutdown()
+
+
+def test_pp2_matches_hf_merged(lora_model, adapters, hf_models, hf_greedy):
+    g = torch.Generator().manual_seed(12)
+    ps = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (7, 40, 12)]
+    llm = LLM(lora_model, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory="16MiB", max_num_batched_tokens=32,
+              pipeline_parallel_size=2)  # fmt: skip
+    try:
+        reqs = [LoRARequest("alpha", 1, adapters["alpha"]), None,
+                LoRARequest("beta", 2, adapters["beta"])]  # fmt: skip
+        outs = llm.generate(ps, PARAMS, use_tqdm=False, lora_request=reqs)
+        for p, name, o in zip(ps, ["alpha", None, "beta"], outs):
+            assert o.outputs[0].token_ids == hf_greedy(hf_models[name], p, N), name
     finally:
         llm.engine.shutdown()

@@ -8,7 +8,8 @@ The step's lists live in one static device buffer ([starts | token ids]), rewrit
 each forward: captured decode graphs read it in place (the CUDA-graph choice: LoRA runs
 inside the graphs, no step falls back to eager because of it).
 
-Under tensor parallelism each rank holds its shard of every adapter, cut like the base weights:
+Under tensor parallelism each rank holds its shard of every adapter, cut like the base weights
+(and a pipeline stage the layers it runs):
 a column-parallel projection (qkv, gate_up) keeps A whole and this rank's rows of B; a
 row-parallel one (o, down) this rank's columns of A and B whole, so its partial LoRA output
 joins the layer's partial output before the all-reduce that sums them. Every rank runs
@@ -137,6 +138,7 @@ class LoRAManager:
             if path in common:
                 self.expected[name] = (first[path].full_in, sum(first[path].full_outs))
         self.num_layers = hf_config.num_hidden_layers
+        self.first_layer = getattr(model, "start_layer", 0)  # this pipeline stage's first
         self.specs: dict[int, AdapterSpec] = {}  # checked adapters by id
         self.host: OrderedDict[int, dict] = OrderedDict()  # host tensors, LRU
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
@@ -195,16 +197,17 @@ class LoRAManager:
             victim = next(i for i in self.slot_of if i not in keep)
             slot = self.slot_of.pop(victim)
         for i, wrapped in enumerate(self.layers):
+            layer = self.first_layer + i  # the adapter's layer index (pipeline stages)
             for path, mod in wrapped.items():
                 t = self.targets[i][path]
                 slices = {
-                    j: shard(t, *tensors[(i, name)], j)
+                    j: shard(t, *tensors[(layer, name)], j)
                     for name, (p, j) in TARGET_SLICES.items()
-                    if p == path and (i, name) in tensors
+                    if p == path and (layer, name) in tensors
                 }
                 for name, p in FUSED_PATHS.items():  # its A for every slice, B split
-                    if p == path and (i, name) in tensors:
-                        a, b = tensors[(i, name)]
+                    if p == path and (layer, name) in tensors:
+                        a, b = tensors[(layer, name)]
                         slices = {j: shard(t, a, bj, j)
                                   for j, bj in enumerate(b.split(t.full_outs))}  # fmt: skip
                 mod.set_slot(slot, slices)

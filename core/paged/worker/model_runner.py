@@ -369,9 +369,10 @@ class ModelRunner:
             if nl == 0:
                 return None
             return hidden if nl == hidden.shape[0] else hidden[logits_idx]
+        # LoRA's token slots describe the whole step: its stages run it as one group
+        groups = 1 if self.lora is not None else self.config.pipeline_micro_batches
         return pipeline_forward(self.model, self.backend, input_ids, positions, meta, logits_idx,
-                                self.hf_config.hidden_size, self.dtype,
-                                self.config.pipeline_micro_batches)  # fmt: skip
+                                self.hf_config.hidden_size, self.dtype, groups)  # fmt: skip
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)
