@@ -280,7 +280,7 @@ class EngineCore:
         if self.structured.masks and prev is not None:  # filled beside prev's resolve
             fill = batch.token_bitmask = self._fill_beside(batch, prev)
         elif self.structured.masks:  # filled by the driver while the forward runs
-            batch.token_bitmask = partial(self._bitmask, batch, prev)
+            batch.token_bitmask = partial(self.structured.bitmask, batch)
         launched = None
         if batch.reqs:
             try:
@@ -316,7 +316,7 @@ class EngineCore:
         early = self._early_done = threading.Event()
 
         def run():
-            try:
+            try:  # waiting for prev's tokens costs nothing: the device samples them first
                 handle = prev[1]
                 try:
                     sampled, _ = handle.result()
@@ -329,22 +329,9 @@ class EngineCore:
 
         return DeferredMask(self._filler.submit(run))
 
-    def _bitmask(self, batch, prev):
-        """`batch`'s masks, called by the driver once the forward is queued. With a step still
-        in flight (`prev`), its tokens go to the matchers first: waiting for them costs
-        nothing, the device samples them before it starts the queued forward."""
-        if prev is not None:
-            handle = prev[1]
-            try:
-                sampled, _ = handle.result()
-            except Exception:  # the step failed: _resolve(prev) reports it
-                sampled = []
-            self.structured.accept_early(handle.reqs, sampled)
-        return self.structured.bitmask(batch)
-
     def _can_overlap(self) -> bool:
         """Penalties and bad words read the output tokens on the host: those steps wait for
-        the last one. Grammars take the token in flight early (_bitmask). So do steps where a
+        the last one. Grammars take the token in flight early (_fill_beside). So do steps where a
         request may speculate: its proposals follow its last token, on the host."""
         spec = self.spec
         return self.runner.overlap and not any(
