@@ -6,26 +6,11 @@ with prompts of several chunks, repeats that the n-grams find, and no blocks lea
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
+from test_graph_runner import FakeGraph, FakeGraphRunner
 from test_long_prompt import TritonOnCpu
 
 from paged import LLM, SamplingParams
-from paged.worker.graph_runner import GraphStepRunner
-
-
-class ReplayGraph:
-    recording: ReplayGraph | None = None
-
-    def __init__(self) -> None:
-        self.ops: list = []
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        for op in self.ops:
-            op()
 
 
 class Recorded(torch.nn.Module):
@@ -41,13 +26,15 @@ class Recorded(torch.nn.Module):
 
     def forward(self, input_ids, positions, meta):
         out = self.inner(input_ids, positions, meta)
-        graph = ReplayGraph.recording
+        graph = FakeGraph.recording
         if graph is not None:
             graph.ops.append(lambda: out.copy_(self.inner(input_ids, positions, meta)))
         return out
 
 
-class ReplayRunner(GraphStepRunner):
+class ReplayRunner(FakeGraphRunner):
+    """test_graph_runner's fake graph API around the real model."""
+
     graph_name = "replay"
     eager_fallback = False
     made: list[ReplayRunner] = []
@@ -55,17 +42,6 @@ class ReplayRunner(GraphStepRunner):
     def __init__(self, model, *args, **kwargs) -> None:
         super().__init__(Recorded(model), *args, **kwargs)
         ReplayRunner.made.append(self)
-
-    def new_graph(self) -> ReplayGraph:
-        return ReplayGraph()
-
-    @contextlib.contextmanager
-    def graph_capture(self, graph: ReplayGraph, pool):
-        ReplayGraph.recording = graph
-        try:
-            yield
-        finally:
-            ReplayGraph.recording = None
 
 
 class TritonGraphsOnCpu(TritonOnCpu):
