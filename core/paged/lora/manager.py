@@ -54,12 +54,20 @@ FUSED_PATHS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_pr
 class Target:
     """A projection LoRA applies to: this rank's shard of the whole model's."""
 
-    fin: int  # this rank's input features
-    outs: list[int]  # this rank's output features per slice
-    full_in: int  # the whole projection's
-    full_outs: list[int]
+    full_in: int  # the whole projection's input features
+    full_outs: list[int]  # and output features per slice
     cols: tuple[int, int]  # this rank's input columns of the whole projection
     rows: list[tuple[int, int]]  # per slice: this rank's output rows of the whole slice
+
+    @property
+    def fin(self) -> int:
+        """This rank's input features."""
+        return self.cols[1] - self.cols[0]
+
+    @property
+    def outs(self) -> list[int]:
+        """This rank's output features per slice."""
+        return [r1 - r0 for r0, r1 in self.rows]
 
 
 def _targets(layer: nn.Module, cfg) -> dict[str, Target]:
@@ -73,19 +81,16 @@ def _targets(layer: nn.Module, cfg) -> dict[str, Target]:
         full_q, full_kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         q_rows = (sh.q_start * hd, (sh.q_start + sh.q_count) * hd)
         kv_rows = (sh.kv_start * hd, (sh.kv_start + sh.kv_count) * hd)
-        out["self_attn.qkv_proj"] = Target(hidden, list(attn.sizes), hidden,
-                                           [full_q, full_kv, full_kv], whole,
+        out["self_attn.qkv_proj"] = Target(hidden, [full_q, full_kv, full_kv], whole,
                                            [q_rows, kv_rows, kv_rows])  # fmt: skip
         if hasattr(attn, "o_proj"):
-            out["self_attn.o_proj"] = Target(attn.sizes[0], [hidden], full_q, [hidden], q_rows,
-                                             [whole])  # fmt: skip
+            out["self_attn.o_proj"] = Target(full_q, [hidden], q_rows, [whole])
     if mlp is not None and hasattr(mlp, "gate_up_proj") and hasattr(mlp, "inter_end"):
         s, e = mlp.inter_start, mlp.inter_end
         full = cfg.intermediate_size
-        out["mlp.gate_up_proj"] = Target(hidden, [e - s, e - s], hidden, [full, full], whole,
-                                         [(s, e), (s, e)])  # fmt: skip
+        out["mlp.gate_up_proj"] = Target(hidden, [full, full], whole, [(s, e), (s, e)])
         if hasattr(mlp, "down_proj"):
-            out["mlp.down_proj"] = Target(e - s, [hidden], full, [hidden], (s, e), [whole])
+            out["mlp.down_proj"] = Target(full, [hidden], (s, e), [whole])
     return out
 
 
