@@ -102,8 +102,9 @@ class GraphStepRunner(StepRunner):
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
-        q = max(self.spec_q, 1)
-        self.spec_qsl = torch.arange(0, top * q + 1, q, dtype=torch.int32, device=dev)
+        if self.spec_q:  # verification graphs: Q rows per request
+            q = self.spec_q
+            self.spec_qsl = torch.arange(0, top * q + 1, q, dtype=torch.int32, device=dev)
 
     def graph_meta(self, n: int) -> AttentionMetadata:
         """The planned metadata of a captured decode batch of `n`: views of the static
