@@ -49,7 +49,7 @@ def test_overlapped_masked_steps_equal_sequential(tiny_smol, overlapped):
     assert engine.runner.overlap and engine._can_overlap()
     fills = []  # masks filled in the engine's thread, beside the resolve of the step in flight
     fill_beside = engine._fill_beside
-    engine._fill_beside = lambda batch, prev: fills.append(1) or fill_beside(batch, prev)
+    engine._fill_beside = lambda *a: fills.append(1) or fill_beside(*a)
     try:
         got = [o.outputs[0].token_ids
                for o in overlapped.generate(prompts, params, use_tqdm=False)]  # fmt: skip

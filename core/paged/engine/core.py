@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -26,11 +25,12 @@ from paged.model.kv_window import kv_window
 from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
-from paged.sampling.structured import StructuredOutputs
+from paged.sampling.structured import MaskFill, StructuredOutputs
 from paged.worker.worker import load_model_config, resolve_config
 
 if TYPE_CHECKING:
     from paged.engine.faults import Faults
+    from paged.scheduled import TokenBitmask
 
 log = logging.getLogger("paged")
 
@@ -106,7 +106,6 @@ class EngineCore:
         )
         self.structured.pin_memory = self.platform.pin_memory
         self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
-        self._early_done: threading.Event | None = None  # its matchers took prev's tokens
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         log.info(
@@ -278,7 +277,7 @@ class EngineCore:
             self.spec.propose(batch)
         fill = None
         if self.structured.masks and prev is not None:  # filled beside prev's resolve
-            fill = batch.token_bitmask = self._fill_beside(batch, prev)
+            fill = batch.token_bitmask = DeferredMask()
         elif self.structured.masks:  # filled by the driver while the forward runs
             batch.token_bitmask = partial(self.structured.bitmask, batch)
         launched = None
@@ -290,6 +289,8 @@ class EngineCore:
                 self._fatal(e)
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
+            if fill is not None:
+                self._fill_beside(fill, batch, prev)
             outs += self._resolve(prev)
         if fill is not None:  # the mask is filled: queue the step's sampling
             try:
@@ -306,28 +307,25 @@ class EngineCore:
             outs += self._resolve(launched)
         return outs
 
-    def _fill_beside(self, batch, prev) -> DeferredMask:
-        """Start `batch`'s masks in a thread: the matchers first take the tokens of the step in
-        flight (`prev`; `_resolve` waits for that part), then xgrammar fills the rows (C++,
-        without the GIL) while this thread resolves `prev` (detokenizing, stop checks). The
-        runner leaves the step's sampling to `StepHandle.finish`, called once both are done."""
+    def _fill_beside(self, mask: DeferredMask, batch, prev) -> None:
+        """Start `batch`'s mask once its forward is queued: the matchers take the tokens of
+        the step in flight (`prev`: the device samples them before `batch`'s forward, so the
+        wait is short), then xgrammar fills the rows in a thread (C++, without the GIL) while
+        this thread resolves `prev` (detokenizing, stop checks). Only the C++ call leaves this
+        thread: Python work in both would queue for the GIL (up to its 5 ms switch interval
+        each time). The runner leaves the step's sampling to `StepHandle.finish`."""
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="paged-mask")
-        early = self._early_done = threading.Event()
-
-        def run():
-            try:  # waiting for prev's tokens costs nothing: the device samples them first
-                handle = prev[1]
-                try:
-                    sampled, _ = handle.result()
-                except Exception:  # the step failed: _resolve(prev) reports it
-                    sampled = []
-                self.structured.accept_early(handle.reqs, sampled)
-            finally:
-                early.set()
-            return self.structured.bitmask(batch)
-
-        return DeferredMask(self._filler.submit(run))
+        try:
+            handle = prev[1]
+            try:
+                sampled, _ = handle.result()
+            except Exception:  # the step failed: _resolve(prev) reports it
+                sampled = []
+            self.structured.accept_early(handle.reqs, sampled)
+            mask.start(self.structured.begin_fill(batch), self._filler)
+        except Exception as e:  # reported through the step that uses the mask
+            mask.start_failed(e)
 
     def _can_overlap(self) -> bool:
         """Penalties and bad words read the output tokens on the host: those steps wait for
@@ -343,9 +341,6 @@ class EngineCore:
 
     def _resolve(self, launched) -> list[EngineOutput]:
         batch, handle, computed = launched
-        if self._early_done is not None:  # the mask thread takes these tokens first
-            self._early_done.wait()
-            self._early_done = None
         try:
             sampled, logprobs = handle.result()
             embeddings = handle.embeddings()
@@ -431,19 +426,36 @@ class EngineCore:
 
 
 class DeferredMask:
-    """A step's structured-outputs bitmask being filled in a thread: the runner defers the
-    step's sampling when handed one (`deferred`), and calling it waits for the mask."""
+    """A step's structured-outputs bitmask filled while the engine resolves the step before
+    (`EngineCore._fill_beside`): the runner defers the step's sampling when handed one
+    (`deferred`); calling it waits for xgrammar's rows and finishes the mask."""
 
     deferred = True
 
-    def __init__(self, future: Future) -> None:
-        self.future = future
+    def __init__(self) -> None:
+        self.fill: MaskFill | None = None
+        self.future: Future | None = None
+        self.error: Exception | None = None
 
-    def __call__(self):
-        return self.future.result()
+    def start(self, fill: MaskFill | None, pool: ThreadPoolExecutor) -> None:
+        self.fill = fill
+        if fill is not None:
+            self.future = pool.submit(fill.grammar)
+
+    def start_failed(self, error: Exception) -> None:
+        self.error = error
+
+    def __call__(self) -> TokenBitmask | None:
+        if self.error is not None:
+            raise self.error
+        if self.future is not None:
+            self.future.result()
+        return self.fill.finish() if self.fill is not None else None
 
     def wait(self) -> None:
-        try:
-            self.future.result()
-        except Exception:  # reported through the step that used it
-            pass
+        """Wait for xgrammar's rows (never two fills at once), whatever failed."""
+        if self.future is not None:
+            try:
+                self.future.result()
+            except Exception:  # reported through the step that used it
+                pass

@@ -140,6 +140,41 @@ class RequestMask:
         return e[k]  # the marker continues after its longest part the output ends with
 
 
+@dataclass
+class MaskFill:
+    """One step's bitmask being filled: `grammar` (xgrammar's rows, in C++ threads that
+    release the GIL) then `finish` (allowed ids, bad words, forced ids; Python)."""
+
+    rows: dict[str, int]  # sequence id -> its row
+    bm: torch.Tensor  # int32 [rows, words], on the host
+    live: list[tuple[int, Any]]  # (row, matcher) of the grammars that mask this step
+    special: list[tuple[int, Any, RequestMask]]  # rows with ids, bad words or a budget
+    batcher: Any  # xgrammar.BatchGrammarMatcher
+
+    def grammar(self) -> None:
+        if self.live:
+            rows, matchers = zip(*self.live)
+            self.batcher.batch_fill_next_token_bitmask(list(matchers), self.bm, list(rows))
+
+    def finish(self) -> TokenBitmask:
+        words = self.bm.numpy().view(np.uint32)
+        for k, req, m in self.special:
+            if (t := m.forced()) is not None:  # over the reasoning budget: close it
+                words[k] = 0
+                words[k, t >> 5] = np.uint32(1 << (t & 31))
+                continue
+            if m.allowed is not None:
+                words[k] &= m.allowed
+            if m.bad_words:
+                out = req.output_token_ids
+                for seq in m.bad_words:
+                    n = len(seq) - 1
+                    if n <= len(out) and (n == 0 or out[-n:] == seq[:-1]):
+                        t = seq[-1]
+                        words[k, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return self.rows, self.bm
+
+
 class StructuredOutputs:
     """Engine-core side: compiles, holds matchers, fills each step's bitmask."""
 
@@ -165,6 +200,8 @@ class StructuredOutputs:
         self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
         self.pin_memory = False  # the engine sets it where the platform pins host buffers
         self._early: dict[str, str | None] = {}  # sequence id -> accept()'s answer, taken early
+        self._buffers: list[torch.Tensor | None] = [None, None]  # the bitmask's host rows
+        self._turn = 0
 
     @staticmethod
     def needs(params: SamplingParams) -> bool:
@@ -299,49 +336,59 @@ class StructuredOutputs:
     # ---- each step -----------------------------------------------------------------
     def bitmask(self, batch: Any) -> TokenBitmask | None:
         """The mask of `batch`'s masked requests that sample in this step (forked sequences
-        included), or None. Called after scheduling, before the step's tokens are added; with
-        a step in flight, in the engine's mask thread while the engine resolves that step."""
-        held = self.masks.copy()  # the engine may free finished ones while this runs
+        included), or None. Called after scheduling, before the step's tokens are added."""
+        fill = self.begin_fill(batch)
+        if fill is None:
+            return None
+        fill.grammar()
+        return fill.finish()
+
+    def begin_fill(self, batch: Any) -> MaskFill | None:
+        """`bitmask` in parts (None: no row): the rows no grammar fills are set here;
+        `MaskFill.grammar` fills the others and may run in a thread while the engine resolves
+        the step in flight; `MaskFill.finish` applies allowed ids, bad words, forced ids."""
+        masks = self.masks
         sampling = [
             r
             for r, n in zip(batch.reqs, batch.num_new)
-            if r.request_id in held and r.num_computed_tokens + n >= r.num_tokens
+            if r.request_id in masks and r.num_computed_tokens + n >= r.num_tokens
         ]
         sampling += [s for _, seqs in getattr(batch, "forks", ()) for s in seqs
-                     if s.request_id in held]  # fmt: skip
+                     if s.request_id in masks]  # fmt: skip
         if not sampling:
             return None
-        shape = (len(sampling), words_of(self.vocab_size))
-        bm = torch.full(shape, -1, dtype=torch.int32, pin_memory=self.pin_memory)
-        words = bm.numpy().view(np.uint32)
-        masks = [held[r.request_id] for r in sampling]
-        live = [
-            (k, m.matcher)
-            for k, m in enumerate(masks)
-            if m.matcher is not None and m.after is None and not m.matcher.is_terminated()
-        ]
-        if live:  # one call: xgrammar fills the rows in C++ threads
-            if self._batch is None:
-                import xgrammar as xgr
+        bm = self._buffer(len(sampling))
+        live, idle, special = [], [], []
+        for k, req in enumerate(sampling):
+            m = masks[req.request_id]
+            if m.matcher is not None and m.after is None and not m.matcher.is_terminated():
+                live.append((k, m.matcher))
+            else:
+                idle.append(k)
+            if m.budget is not None or m.allowed is not None or m.bad_words:
+                special.append((k, req, m))
+        if idle:  # every id allowed; xgrammar writes whole rows for the live ones
+            bm.numpy()[idle] = -1  # (numpy: the buffer may be an inference-mode tensor)
+        if live and self._batch is None:
+            import xgrammar as xgr
 
-                self._batch = xgr.BatchGrammarMatcher()
-            rows, matchers = zip(*live)
-            self._batch.batch_fill_next_token_bitmask(list(matchers), bm, list(rows))
-        for k, (req, m) in enumerate(zip(sampling, masks)):
-            if (t := m.forced()) is not None:  # over the reasoning budget: close it
-                words[k] = 0
-                words[k, t >> 5] = np.uint32(1 << (t & 31))
-                continue
-            if m.allowed is not None:
-                words[k] &= m.allowed
-            if m.bad_words:
-                out = req.output_token_ids
-                for seq in m.bad_words:
-                    n = len(seq) - 1
-                    if n <= len(out) and (n == 0 or out[-n:] == seq[:-1]):
-                        t = seq[-1]
-                        words[k, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-        return {r.request_id: k for k, r in enumerate(sampling)}, bm
+            self._batch = xgr.BatchGrammarMatcher()
+        rows = {r.request_id: k for k, r in enumerate(sampling)}
+        return MaskFill(rows, bm, live, special, self._batch)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        """k rows of one of two host buffers used in turn (page-locked where the platform pins:
+        the runner queues the copy to the device behind the forward). A buffer is written again
+        two steps later, once the step between has its tokens: its copy, queued before its
+        step's sampling, is done by then."""
+        self._turn ^= 1
+        buf = self._buffers[self._turn]
+        if buf is None or buf.shape[0] < k:
+            rows = 1 << max(k - 1, 63).bit_length()  # room to grow: 64, 128, 256, ...
+            shape = (rows, words_of(self.vocab_size))
+            buf = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_memory)
+            self._buffers[self._turn] = buf
+        return buf[:k]
 
     def accept_early(self, reqs: list[Any], tokens: list[int]) -> None:
         """Advance the matchers by the tokens of the step in flight before the engine resolves
