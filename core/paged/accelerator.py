@@ -36,6 +36,8 @@ class AcceleratorPlatform(Platform):
     needs_profile_run = True
     pin_memory = True
     overlap_steps = True  # launch step N+1 before step N's tokens reach the host
+    default_max_num_batched_tokens = 8192  # prompts in fewer steps: shorter time to first token
+    kernel_warmup = True  # Triton kernels compile on first use
 
     @property
     def torch_module(self) -> ModuleType:

@@ -97,12 +97,18 @@ class EngineConfig:
     )
     num_kv_blocks: int | None = _opt("exact number of KV cache blocks (overrides sizes)", type=int)
     max_num_seqs: int = _opt("most requests in one step", default=256, type=int)
-    max_num_batched_tokens: int = _opt("most tokens in one step", default=2048, type=int)
+    max_num_batched_tokens: int | None = _opt(
+        "most tokens in one step (default: the platform's: 8192 on GPUs, 2048 on CPUs)", type=int
+    )
     enable_prefix_caching: bool = _opt("reuse KV blocks of shared prefixes", default=True)
     enforce_eager: bool = _opt("disable graph capture", default=False)
     async_scheduling: bool | None = _opt(
         "schedule and launch each step before the previous step's tokens reach the host, "
         "hiding host work behind the device (default: the platform's choice)"
+    )
+    kernel_warmup: bool | None = _opt(
+        "at start-up, run synthetic requests through the step loop so that kernels compile "
+        "before the first request (default: the platform's choice: on for GPUs)"
     )
     seed: int = _opt("seed for weights of --load-format dummy and unseeded sampling", default=0)
     tensor_parallel_size: int = _opt(
@@ -206,7 +212,7 @@ class EngineConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+        if self.max_num_seqs < 1 or (self.max_num_batched_tokens or 1) < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:

@@ -83,6 +83,10 @@ class Platform:
     pin_memory: ClassVar[bool] = False
     # Launch step N+1 while step N runs (devices that compute asynchronously to the host).
     overlap_steps: ClassVar[bool] = False
+    # --max-num-batched-tokens when not given.
+    default_max_num_batched_tokens: ClassVar[int] = 2048
+    # Kernels compile on first use (Triton): warm them up at start-up (paged.engine.warmup).
+    kernel_warmup: ClassVar[bool] = False
     # What this platform cannot run, by name; a model class lists what it needs in its
     # `requires` (e.g. "dynamic_shapes": matmuls sized by data, as mixture-of-experts routing
     # does) and is refused at start-up on a platform lacking one (paged.model.registry).

@@ -19,6 +19,7 @@ from paged.engine.messages import EngineOutput  # re-exported: defined with the 
 from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
+from paged.engine.warmup import warm_up
 from paged.executor import WorkerFailure, create_executor
 from paged.lora.request import LoRARequest
 from paged.model.kv_window import kv_window
@@ -108,6 +109,9 @@ class EngineCore:
         self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        warm = config.kernel_warmup
+        if (self.platform.kernel_warmup if warm is None else warm) and runner == "generate":
+            warm_up(self)  # kernels compile now, not in the first requests
         log.info(
             "engine ready on %s (%s, %s) in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             self.platform.name,

@@ -1,0 +1,94 @@
+"""Start-up warm-up: synthetic requests through the engine's own step loop, so that the kernel
+variants a server meets are compiled before the first client's request rather than during it
+(a Triton kernel compiles on first use, for each new set of tile sizes and argument
+specialisations: up to a second each, which lands in p99 time to first token).
+
+The requests cover what steps vary in: prefill chunks from one token to the whole budget,
+a prompt longer than one chunk (its second chunk attends to cached context), steps that mix
+decodes with prefills, decode batch sizes, and the sampling paths (greedy, top-k/top-p/min-p
+with a seed, penalties, logprobs), plus a repetitive prompt for n-gram speculation. Afterwards
+the prefix cache and the counters are as they were: clients see a fresh engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+from paged.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged.engine.core import EngineCore
+
+log = logging.getLogger("paged")
+
+# Prompt lengths of the first wave (capped by the context); they also land in one step
+# together and, later, beside decodes.
+SHORT_LENGTHS = (1, 3, 8, 16, 17, 64, 127, 500)
+MAX_STEPS = 10_000  # a bound, never reached by these requests
+
+
+def sampling_variants(max_tokens: int) -> list[SamplingParams]:
+    """The sampling paths a step can take."""
+    common = dict(max_tokens=max_tokens, ignore_eos=True)
+    return [
+        SamplingParams(temperature=0.0, **common),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=1, **common),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2, logprobs=2, **common),
+        SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.2, **common),
+    ]
+
+
+def warmup_prompts(budget: int, context: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token ids: the short lengths, one prompt of one and a half chunks (a continuation chunk
+    over cached context), and a repetitive one (n-gram speculation proposes from it)."""
+    rng = random.Random(seed)
+    limit = max(1, context - 8)  # room for the output
+    lengths = sorted({min(n, limit) for n in SHORT_LENGTHS})
+    lengths.append(min(limit, budget + budget // 2 + 3))
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    pattern = [rng.randrange(vocab) for _ in range(8)]
+    prompts.append((pattern * (1 + min(limit, 64) // 8))[: min(limit, 64)])
+    return prompts
+
+
+def warm_up(engine: EngineCore) -> float:
+    """Run the warm-up requests to the end; the seconds it took. The engine must be idle."""
+    t0 = time.perf_counter()
+    cfg = engine.config
+    prompts = warmup_prompts(cfg.max_num_batched_tokens, engine.max_model_len, engine.vocab_size)
+    variants = sampling_variants(max_tokens=16)
+    half = len(prompts) // 2
+    waves = [prompts[:half], prompts[half:]]  # the second arrives while the first decodes
+    n = 0
+    for wave in waves:
+        for ids in wave:
+            engine.add_request(f"warmup-{n}", ids, variants[n % len(variants)])
+            n += 1
+        for _ in range(3):  # a few steps: the first wave's prompts become decodes
+            engine.step()
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    else:
+        raise RuntimeError("warm-up: requests did not finish")
+    reset_counters(engine)
+    seconds = time.perf_counter() - t0
+    log.info("warm-up: %d synthetic requests in %.1f s", n, seconds)
+    return seconds
+
+
+def reset_counters(engine: EngineCore) -> None:
+    """The prefix cache and every counter /metrics reports, as at start."""
+    engine.kv.reset_prefix_cache()
+    engine.kv.queries = engine.kv.hits = engine.kv.num_window_released = 0
+    engine.kv.peak_seq_blocks = 0
+    engine.scheduler.num_preemptions = engine.scheduler.num_prompt_computed = 0
+    engine.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+    if engine.spec is not None:
+        spec = engine.spec
+        spec.num_drafts = spec.num_draft_tokens = spec.num_accepted_tokens = 0
+        spec.accepted_per_pos = [0] * spec.k
