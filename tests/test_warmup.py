@@ -48,6 +48,9 @@ def test_warmup_runs_the_step_shapes_a_server_meets(llm):
     decode = lambda row: row[1] == 1 and row[0] >= row[2]  # noqa: E731
     assert any(any(map(decode, s)) and any(not decode(r) for r in s) for s in steps)  # mixed
     assert max(sum(map(decode, s)) for s in steps) >= 8  # a decode batch of several
+    longest = [max(n for _, n, _ in s) for s in steps if not all(map(decode, s))]
+    for lo, hi in ((2, 4), (5, 8), (16, BUDGET)):  # each tile size of the prefill kernel
+        assert any(lo <= m <= hi for m in longest), (lo, hi, longest)
 
 
 def test_warmup_leaves_the_engine_as_new(llm, tiny_models):

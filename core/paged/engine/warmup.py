@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("paged")
 
-# Prompt lengths of the first wave (capped by the context); they also land in one step
-# together and, later, beside decodes.
+# Prompt lengths (capped by the context): prefill tiles are sized from a step's longest query.
 SHORT_LENGTHS = (1, 3, 8, 16, 17, 64, 127, 500)
 MAX_STEPS = 10_000  # a bound, never reached by these requests
 
@@ -60,15 +59,11 @@ def warm_up(engine: EngineCore) -> float:
     cfg = engine.config
     prompts = warmup_prompts(cfg.max_num_batched_tokens, engine.max_model_len, engine.vocab_size)
     variants = sampling_variants(max_tokens=16)
-    half = len(prompts) // 2
-    waves = [prompts[:half], prompts[half:]]  # the second arrives while the first decodes
-    n = 0
-    for wave in waves:
-        for ids in wave:
-            engine.add_request(f"warmup-{n}", ids, variants[n % len(variants)])
-            n += 1
-        for _ in range(3):  # a few steps: the first wave's prompts become decodes
-            engine.step()
+    # One new prompt a step, beside the earlier ones' decodes: each tile size that the prefill
+    # kernels pick from a step's longest query, in steps that mix decodes and prefills.
+    for n, ids in enumerate(prompts):
+        engine.add_request(f"warmup-{n}", ids, variants[n % len(variants)])
+        engine.step()
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished():
             break
@@ -77,7 +72,7 @@ def warm_up(engine: EngineCore) -> float:
         raise RuntimeError("warm-up: requests did not finish")
     reset_counters(engine)
     seconds = time.perf_counter() - t0
-    log.info("warm-up: %d synthetic requests in %.1f s", n, seconds)
+    log.info("warm-up: %d synthetic requests in %.1f s", len(prompts), seconds)
     return seconds
 
 

@@ -28,7 +28,9 @@ from .decode import paged_attention_decode
 __all__ = ["paged_attention_decode", "paged_attention_varlen"]
 
 
-@triton.jit
+# Per-step ints are not specialised on (a variant per "equal to 1 / divisible by 16" would
+# compile while serving); the tile sizes, chosen from max_query_len, are the only variants.
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _varlen_kernel(
     q_ptr,
     k_cache_ptr,

@@ -30,7 +30,9 @@ _TARGET_PROGRAMS = 256  # enough (B x kv_heads x splits) programs to fill a larg
 _MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
 
 
-@triton.jit
+# Arguments that vary from step to step are not specialised on (Triton compiles a variant for
+# an int equal to 1 or divisible by 16): a new variant met while serving costs a compile.
+@triton.jit(do_not_specialize=["window", "stride_bt", "num_splits"])
 def _split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -55,13 +57,14 @@ def _split_kernel(
     stride_wb,
     stride_wh,
     stride_ws,
+    num_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: partial results to the workspace
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -78,7 +81,7 @@ def _split_kernel(
     # Balanced per-sequence split of [lo, seq_len), in whole BLOCK_N tiles; empty splits
     # write l = 0.
     span = seq_len - lo
-    chunk = ((span + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -115,7 +118,7 @@ def _split_kernel(
 
     if QUANT:
         acc = acc * v_scale
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -126,7 +129,7 @@ def _split_kernel(
         tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     ws_ptr,
     out_ptr,
@@ -135,15 +138,15 @@ def _reduce_kernel(
     stride_ws,
     stride_ob,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # MAX_SPLITS rounded up: one variant for every split count
 ):
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
-    ok = s < NUM_SPLITS
+    ok = s < num_splits
     w = ws_ptr + b * stride_wb + head * stride_wh + s * stride_ws
     d = tl.arange(0, HEAD_PAD)
     m = tl.load(w + HEAD_DIM, mask=ok, other=-1.0e30)
@@ -231,16 +234,16 @@ def paged_attention_decode(
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
         sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, num_splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, SPLIT=num_splits > 1,
         **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            ws, out, *ws_strides, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, HEAD_PAD=pad, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
+            num_warps=4,
         )  # fmt: skip
     return out
