@@ -252,3 +252,25 @@ def test_stream_honours_output_kind(llm):
         assert final.token_ids == want.token_ids and final.logprobs == want.logprobs
     with pytest.raises(ValueError, match="best_of"):
         next(llm.stream([PROMPT], SamplingParams(n=1, best_of=2)))
+
+
+def test_penalty_request_joins_overlapped_decodes(tiny_models):
+    """A request with penalties scheduled beside decodes whose newest tokens are still in
+    flight (overlapped steps: placeholders in their outputs) samples as without overlap."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    penal = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=1.0,
+                           presence_penalty=0.5, max_tokens=10, ignore_eos=True)  # fmt: skip
+    got = {}
+    for overlap in (False, True):
+        engine = _llm(tiny_models["llama"], async_scheduling=overlap).engine
+        assert engine.runner.overlap == overlap
+        engine.add_request("a", PROMPT, greedy)
+        outs = engine.step() + engine.step() + engine.step()  # "a" decodes
+        engine.add_request("b", PROMPT[:7], penal)
+        while engine.has_unfinished():
+            outs += engine.step()
+        assert not [o.error for o in outs if o.error]
+        got[overlap] = {rid: [t for o in outs if o.request_id == rid for t in o.new_token_ids]
+                        for rid in ("a", "b")}  # fmt: skip
+        assert engine.kv.num_free_blocks == engine.num_blocks
+    assert got[True] == got[False] and len(got[True]["b"]) == 10

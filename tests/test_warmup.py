@@ -89,3 +89,12 @@ def test_warmup_follows_the_flag_then_the_platform(tiny_models, monkeypatch):
     llm = LLM(path, dtype="float32", num_kv_blocks=64, kernel_warmup=True)
     assert ran == [llm.engine]
     assert llm.engine.config.max_num_batched_tokens == 2048  # the CPU platform's default
+
+
+def test_warmup_with_overlapped_steps(tiny_models):
+    """As on GPUs: steps overlap; a failed warm-up request would raise."""
+    llm = LLM(tiny_models["llama"], dtype="float32", max_num_batched_tokens=BUDGET,
+              num_kv_blocks=256, max_model_len=256, async_scheduling=True,
+              kernel_warmup=True)  # fmt: skip
+    assert llm.engine.runner.overlap and not llm.engine.requests
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks

@@ -61,15 +61,19 @@ def warm_up(engine: EngineCore) -> float:
     variants = sampling_variants(max_tokens=16)
     # One new prompt a step, beside the earlier ones' decodes: each tile size that the prefill
     # kernels pick from a step's longest query, in steps that mix decodes and prefills.
+    outs = []
     for n, ids in enumerate(prompts):
         engine.add_request(f"warmup-{n}", ids, variants[n % len(variants)])
-        engine.step()
+        outs += engine.step()
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished():
             break
-        engine.step()
+        outs += engine.step()
     else:
         raise RuntimeError("warm-up: requests did not finish")
+    failed = [o for o in outs if o.error]
+    if failed:  # a step failed on synthetic input: a bug that clients would meet too
+        raise RuntimeError(f"warm-up: request {failed[0].request_id} failed: {failed[0].error}")
     reset_counters(engine)
     seconds = time.perf_counter() - t0
     log.info("warm-up: %d synthetic requests in %.1f s", len(prompts), seconds)

@@ -131,6 +131,8 @@ def _apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     out_counts = torch.zeros(n, vocab, dtype=torch.float32)
     seen_prompt = torch.zeros(n, vocab, dtype=torch.bool)
     for i, r in enumerate(sb.reqs):
+        if not r.params.needs_penalties:  # unchanged by them (its newest token may be in
+            continue  # flight: steps without penalty rows overlap, PLACEHOLDER)
         out = r.output_token_ids
         if out:
             out_counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out)))
