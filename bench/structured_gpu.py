@@ -67,6 +67,58 @@ def shape_dir(model: str, path: Path) -> str:
     return str(path)
 
 
+class Timeline:
+    """Wall time spent in the engine's parts, per step (methods wrapped on the instances):
+    which host work lies on the step loop's path, the mask thread's fill beside it."""
+
+    def __init__(self, engine) -> None:
+        from paged.engine import core
+        from paged.sampling import structured
+
+        self.engine, self.totals, self.patched = engine, {}, []
+        runner = engine.runner
+        self.targets = [
+            (engine, "step"), (engine.scheduler, "schedule"), (engine.executor, "launch"),
+            (engine, "_fill_beside"), (engine, "_resolve"), (engine.structured, "accept_early"),
+            (engine.structured, "begin_fill"), (runner, "_sample"),
+            (core.DeferredMask, "__call__"), (structured.MaskFill, "grammar"),
+            (structured.MaskFill, "finish"),
+        ]  # fmt: skip
+
+    def __enter__(self) -> Timeline:
+        for obj, name in self.targets:
+            fn = getattr(obj, name)
+            key = f"{getattr(obj, '__name__', type(obj).__name__)}.{name}"
+
+            def timed(*a, _fn=fn, _key=key, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    n, total = self.totals.get(_key, (0, 0.0))
+                    self.totals[_key] = (n + 1, total + time.perf_counter() - t)
+
+            setattr(obj, name, timed)
+            self.patched.append((obj, name, fn))
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self.t0
+        for obj, name, fn in reversed(self.patched):
+            if isinstance(obj, type):
+                setattr(obj, name, fn)
+            else:
+                delattr(obj, name)
+
+    def report(self) -> str:
+        steps = self.totals.get("EngineCore.step", (1, 0.0))[0]
+        lines = [f"{steps} steps, {self.wall * 1e3 / steps:.2f} ms a step (wall)"]
+        for key, (n, total) in sorted(self.totals.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {key:32s} {n:6d} calls {total * 1e3 / steps:8.3f} ms a step")
+        return "\n".join(lines)
+
+
 def generate(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[int]]:
     """(output tokens/s, each request's output length)."""
     t = time.perf_counter()
@@ -91,6 +143,11 @@ def main() -> None:
         "--no-async-scheduling",
         action="store_true",
         help="both kinds without overlapped steps (masked requests never overlap)",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print the wall time per step of the engine's parts for a pass of each kind",
     )
     ap.add_argument(
         "--profile",
@@ -128,6 +185,12 @@ def main() -> None:
             rate = run(llm, prompts, plain if kind == "plain" else constrained)
             best[kind] = max(best[kind], rate)
             print(f"pass {i} {kind}: {rate:,.0f} output tok/s", flush=True)
+    if args.timeline:
+        for kind, params in (("plain", plain), ("json_schema", constrained)):
+            with Timeline(llm.engine) as tl:
+                rate = run(llm, prompts, params)
+            print(f"=== timeline, one {kind} pass ({rate:,.0f} tok/s)")
+            print(tl.report())
     if args.profile:
         import cProfile
         import pstats

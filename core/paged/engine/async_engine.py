@@ -32,6 +32,7 @@ import zmq.asyncio
 from paged.config import EngineConfig
 from paged.engine import messages as m
 from paged.engine.faults import Faults
+from paged.engine.gc_pauses import freeze_startup_objects
 from paged.engine.messages import EngineOutput
 from paged.engine.outputs import OutputState
 from paged.engine.request import sample_params, sequence_ids
@@ -120,6 +121,7 @@ def _core_main(
         dtype=core.config.dtype,
         eos_token_ids=list(core.eos_token_ids),
     )
+    freeze_startup_objects()  # the model's objects: out of the collector's scans
     send(m.Ready(info))
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, args=(ctx, addr_out, stop), daemon=True)

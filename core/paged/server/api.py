@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from paged.config import EngineConfig, parse_bytes
+from paged.engine.gc_pauses import freeze_startup_objects
 from paged.server.http_options import add_http_args, check_http_args, scheme, uvicorn_options
 from paged.server.metrics import PREFIXES
 from paged.server.request_log import add_log_args, check_log_args
@@ -365,6 +366,7 @@ async def _serve(
 
     async def announce() -> None:
         if await engine.wait_ready():
+            freeze_startup_objects()  # this process's start-up objects too
             i = engine.info or {}
             dp = i.get("data_parallel_size", 1)
             if fleet is not None:
