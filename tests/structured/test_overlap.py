@@ -84,3 +84,32 @@ def test_a_finished_grammar_ends_the_request_despite_min_tokens(overlapped):
     p.min_tokens = 20
     out = overlapped.generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+def test_a_failed_mask_fill_fails_its_step_only(overlapped, monkeypatch):
+    """The mask thread fills and queues a step's sampling; an error there fails that step's
+    requests (reported, blocks freed) and the engine goes on."""
+    from paged.sampling import structured
+
+    engine = overlapped.engine
+    ids = overlapped.tokenizer(PROMPT).input_ids
+    grammar, calls = structured.MaskFill.grammar, []
+
+    def broken(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("fill broke")
+        return grammar(self)
+
+    monkeypatch.setattr(structured.MaskFill, "grammar", broken)
+    engine.add_request("m", ids, so(regex="[a-z]{30}"))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.error for o in outs if o.error] == ["RuntimeError: fill broke"]
+    assert outs[-1].finished and len(calls) == 3
+    monkeypatch.setattr(structured.MaskFill, "grammar", grammar)
+    engine.kv.check_invariants()
+    assert engine.kv.num_free_blocks == engine.num_blocks and len(engine.structured) == 0
+    out = overlapped.generate([PROMPT], so(regex="[a-z]{8}"), use_tqdm=False)[0].outputs[0]
+    assert len(out.text) == 8 and out.text.isalpha()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 
 import torch
@@ -441,14 +442,19 @@ class StepHandle:
         self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
         self.prompt_host: list[torch.Tensor] = []
         self.pooled = None  # embeddings: (request ids, lengths, vectors concatenated)
-        # The sampling still to queue (a deferred structured-outputs mask): finish() runs it.
+        # The sampling still to queue (a deferred structured-outputs mask): finish() runs it,
+        # unless the engine handed it to its mask thread (`sampling`): finish() waits for that.
         self.pending: Callable[[], None] | None = None
+        self.sampling: Future | None = None
 
     def finish(self) -> None:
-        """Queue the step's sampling if it was deferred (its mask being filled)."""
+        """Queue the step's sampling if it was deferred (its mask being filled), or wait until
+        the thread it was handed to has queued it (its error, if any, is raised here)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending()
+        if self.sampling is not None:
+            self.sampling.result()
 
     def embeddings(self) -> dict[str, list[float]]:
         """{request id: vector} of the embedding requests this step completed. Waits for it."""
