@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -293,42 +293,43 @@ class EngineCore:
                 self._fatal(e)
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
-            if fill is not None and launched is not None:
-                self._fill_beside(fill, batch, prev, launched[1])
+            if fill is not None:
+                self._fill_beside(fill, batch, prev)
             outs += self._resolve(prev)
+        if fill is not None:  # the mask is filled: queue the step's sampling
+            try:
+                if launched is not None:
+                    launched[1].finish()
+            except Exception as e:
+                self._fatal(e)
+                outs += self._fail([r for r in batch.reqs if not r.finished], e)
+                launched = None
+            finally:
+                fill.wait()  # never two fills at once, whatever failed
         self.inflight = launched if self.runner.overlap else None
         if launched is not None and not self.runner.overlap:
             outs += self._resolve(launched)
         return outs
 
-    def _fill_beside(self, mask: DeferredMask, batch, prev, handle) -> None:
-        """Once `batch`'s forward is queued (`handle`): the matchers take the tokens of the
-        step in flight (`prev`: the device samples them before this forward, so the wait is
-        short) and the mask is begun here; the mask thread then fills xgrammar's rows (C++,
-        without the GIL) and queues the step's sampling, while this thread resolves `prev`
-        and schedules the next step. `handle.finish()` (the next launch, `result()`) waits for
-        that sampling to be queued. Only the fill and the queueing leave this thread: Python
-        in both threads at once would queue for the GIL (up to its 5 ms switch interval)."""
+    def _fill_beside(self, mask: DeferredMask, batch, prev) -> None:
+        """Start `batch`'s mask once its forward is queued: the matchers take the tokens of
+        the step in flight (`prev`: the device samples them before `batch`'s forward, so the
+        wait is short), then xgrammar fills the rows in a thread (C++, without the GIL) while
+        this thread resolves `prev` (detokenizing, stop checks). Only the C++ call leaves this
+        thread: Python work in both would queue for the GIL (up to its 5 ms switch interval
+        each time). The runner leaves the step's sampling to `StepHandle.finish`."""
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="paged-mask")
         try:
+            handle = prev[1]
             try:
-                sampled, _ = prev[1].result()
+                sampled, _ = handle.result()
             except Exception:  # the step failed: _resolve(prev) reports it
                 sampled = []
-            self.structured.accept_early(prev[1].reqs, sampled)
-            mask.fill = fill = self.structured.begin_fill(batch)
-        except Exception as e:  # the step's sampling raises it: the step fails
-            mask.error, fill = e, None
-        pending, handle.pending = handle.pending, None
-
-        def fill_and_sample() -> None:
-            if fill is not None:
-                fill.grammar()
-            if pending is not None:
-                pending()
-
-        handle.sampling = self._filler.submit(fill_and_sample)
+            self.structured.accept_early(handle.reqs, sampled)
+            mask.start(self.structured.begin_fill(batch), self._filler)
+        except Exception as e:  # reported through the step that uses the mask
+            mask.start_failed(e)
 
     def _can_overlap(self) -> bool:
         """Penalties and bad words read the output tokens on the host: those steps wait for
@@ -429,17 +430,36 @@ class EngineCore:
 
 
 class DeferredMask:
-    """A step's structured-outputs bitmask filled after its forward is queued
+    """A step's structured-outputs bitmask filled while the engine resolves the step before
     (`EngineCore._fill_beside`): the runner defers the step's sampling when handed one
-    (`deferred`); calling it (in the mask thread, once xgrammar's rows are in) finishes it."""
+    (`deferred`); calling it waits for xgrammar's rows and finishes the mask."""
 
     deferred = True
 
     def __init__(self) -> None:
         self.fill: MaskFill | None = None
+        self.future: Future | None = None
         self.error: Exception | None = None
+
+    def start(self, fill: MaskFill | None, pool: ThreadPoolExecutor) -> None:
+        self.fill = fill
+        if fill is not None:
+            self.future = pool.submit(fill.grammar)
+
+    def start_failed(self, error: Exception) -> None:
+        self.error = error
 
     def __call__(self) -> TokenBitmask | None:
         if self.error is not None:
             raise self.error
+        if self.future is not None:
+            self.future.result()
         return self.fill.finish() if self.fill is not None else None
+
+    def wait(self) -> None:
+        """Wait for xgrammar's rows (never two fills at once), whatever failed."""
+        if self.future is not None:
+            try:
+                self.future.result()
+            except Exception:  # reported through the step that used it
+                pass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 
 import torch
@@ -442,19 +441,14 @@ class StepHandle:
         self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
         self.prompt_host: list[torch.Tensor] = []
         self.pooled = None  # embeddings: (request ids, lengths, vectors concatenated)
-        # The sampling still to queue (a deferred structured-outputs mask): finish() runs it,
-        # unless the engine handed it to its mask thread (`sampling`): finish() waits for that.
+        # The sampling still to queue (a deferred structured-outputs mask): finish() runs it.
         self.pending: Callable[[], None] | None = None
-        self.sampling: Future | None = None
 
     def finish(self) -> None:
-        """Queue the step's sampling if it was deferred (its mask being filled), or wait until
-        the thread it was handed to has queued it (its error, if any, is raised here)."""
+        """Queue the step's sampling if it was deferred (its mask being filled)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             pending()
-        if self.sampling is not None:
-            self.sampling.result()
 
     def embeddings(self) -> dict[str, list[float]]:
         """{request id: vector} of the embedding requests this step completed. Waits for it."""
