@@ -119,6 +119,32 @@ class Timeline:
         return "\n".join(lines)
 
 
+def device_profile(llm: LLM, prompts: list[list[int]], kinds) -> None:
+    """Per pass: wall time, the device's busy time (kernels and copies), and the kernels whose
+    total time differs most between the kinds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    per_kind = {}
+    for kind, params in kinds:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            run(llm, prompts, params)
+            wall = time.perf_counter() - t
+        totals: dict[str, float] = {}
+        for e in prof.events():  # the device's own events: kernels, copies
+            if e.device_type.name != "CPU":
+                totals[e.name[:70]] = totals.get(e.name[:70], 0.0) + e.time_range.elapsed_us()
+        busy = sum(totals.values()) / 1e6
+        per_kind[kind] = totals
+        print(f"=== device profile, {kind}: wall {wall * 1e3:.0f} ms, device busy "
+              f"{busy * 1e3:.0f} ms ({busy / wall:.0%})")  # fmt: skip
+    (a, ta), (b, tb) = per_kind.items()
+    diff = sorted(set(ta) | set(tb), key=lambda k: -abs(tb.get(k, 0) - ta.get(k, 0)))
+    for name in diff[:15]:
+        ms_a, ms_b = ta.get(name, 0) / 1e3, tb.get(name, 0) / 1e3
+        print(f"  {name:70s} {a} {ms_a:8.1f} ms  {b} {ms_b:8.1f} ms")
+
+
 def generate(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[int]]:
     """(output tokens/s, each request's output length)."""
     t = time.perf_counter()
@@ -148,6 +174,12 @@ def main() -> None:
         "--timeline",
         action="store_true",
         help="print the wall time per step of the engine's parts for a pass of each kind",
+    )
+    ap.add_argument(
+        "--device-profile",
+        action="store_true",
+        help="torch.profiler over a pass of each kind: device busy time against wall time and "
+        "the kernels that differ",
     )
     ap.add_argument(
         "--profile",
@@ -191,6 +223,8 @@ def main() -> None:
                 rate = run(llm, prompts, params)
             print(f"=== timeline, one {kind} pass ({rate:,.0f} tok/s)")
             print(tl.report())
+    if args.device_profile:
+        device_profile(llm, prompts, (("plain", plain), ("json_schema", constrained)))
     if args.profile:
         import cProfile
         import pstats
