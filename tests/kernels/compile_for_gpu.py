@@ -112,6 +112,11 @@ def fused() -> None:
                      qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
                      64)  # fmt: skip
     silu_and_mul(t(4, 512))
+    from paged.kernels import apply_token_bitmask
+
+    logits = t(6, 1000, dtype=torch.float32)
+    apply_token_bitmask(logits, t(4, 32, dtype=torch.int32), None)
+    apply_token_bitmask(logits, t(4, 32, dtype=torch.int32), t(4, dtype=torch.int64))
 
 
 def quantized_linears() -> None:

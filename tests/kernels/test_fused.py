@@ -88,3 +88,26 @@ def test_silu_and_mul(dtype, inter, device):
     assert close(silu_and_mul(x), expect, dtype)
     out = torch.empty(6, inter, dtype=dtype, device=device)
     assert silu_and_mul(x, out) is out and close(out, expect, dtype)
+
+
+@pytest.mark.parametrize("vocab,words", [(1000, 32), (1030, 32), (4100, 129)])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_apply_token_bitmask_matches_the_torch_default(vocab, words, with_rows, device):
+    """The one-pass kernel against paged.model.ops' table path: rows by index (others
+    untouched) or all in order, a vocabulary past the bitmask (ids there unchanged)."""
+    from paged.kernels import apply_token_bitmask
+    from paged.model.ops import apply_token_bitmask as torch_default
+
+    gen = torch.Generator().manual_seed(vocab + words)
+    logits = torch.randn(6 if with_rows else 4, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[0] = -1  # every id allowed
+    bitmask[1] = 0  # none
+    rows = torch.tensor([5, 0, 3, 2]) if with_rows else None
+    want = logits.clone()
+    torch_default(want, bitmask, rows)
+    got = logits.to(device)
+    apply_token_bitmask(got, bitmask.to(device), rows.to(device) if with_rows else None)
+    assert torch.equal(got.cpu(), want)
+    assert torch.isinf(want).any() and not (with_rows and torch.isinf(want[1]).any())

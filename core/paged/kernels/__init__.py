@@ -21,6 +21,7 @@ _EXPORTS = {
     "fused_moe": "moe",
     "lora_shrink": "lora",
     "lora_expand": "lora",
+    "apply_token_bitmask": "bitmask",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -55,4 +55,5 @@ def triton_fused_ops() -> dict[str, Callable]:
         "int4_linear": _int4_linear,
         "lora_shrink": kernels.lora_shrink,
         "lora_expand": kernels.lora_expand,
+        "apply_token_bitmask": kernels.apply_token_bitmask,  # structured outputs' mask
     }
