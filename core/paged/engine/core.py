@@ -107,6 +107,7 @@ class EngineCore:
         )
         self.structured.pin_memory = self.platform.pin_memory
         self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
+        self._filling = DeferredMask()  # the last mask handed to it
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         warm = config.kernel_warmup
@@ -273,6 +274,15 @@ class EngineCore:
         if self.structured.pending:
             outs += self._admit_masked()
         prev = self.inflight
+        if prev is not None and prev[1].pending is not None:  # its mask is being filled
+            try:  # queue its sampling now, before this step's forward
+                prev[1].finish()
+            except Exception as e:
+                self._fatal(e)
+                outs += self._fail([r for r in prev[0].reqs if not r.finished], e)
+                prev = self.inflight = None
+            finally:
+                self._filling.wait()  # never two fills at once, whatever failed
         if prev is not None and not self._can_overlap():
             outs += self._resolve(prev)
             prev = self.inflight = None
@@ -293,19 +303,10 @@ class EngineCore:
                 self._fatal(e)
                 outs += self._fail(batch.reqs, e)
         if prev is not None:
-            if fill is not None:
-                self._fill_beside(fill, batch, prev)
+            if fill is not None and launched is not None:  # its sampling is queued by the
+                self._fill_beside(fill, batch, prev)  # next call, once this one returned
+                self._filling = fill
             outs += self._resolve(prev)
-        if fill is not None:  # the mask is filled: queue the step's sampling
-            try:
-                if launched is not None:
-                    launched[1].finish()
-            except Exception as e:
-                self._fatal(e)
-                outs += self._fail([r for r in batch.reqs if not r.finished], e)
-                launched = None
-            finally:
-                fill.wait()  # never two fills at once, whatever failed
         self.inflight = launched if self.runner.overlap else None
         if launched is not None and not self.runner.overlap:
             outs += self._resolve(launched)
@@ -317,7 +318,10 @@ class EngineCore:
         wait is short), then xgrammar fills the rows in a thread (C++, without the GIL) while
         this thread resolves `prev` (detokenizing, stop checks). Only the C++ call leaves this
         thread: Python work in both would queue for the GIL (up to its 5 ms switch interval
-        each time). The runner leaves the step's sampling to `StepHandle.finish`."""
+        each time). The runner leaves the step's sampling to `StepHandle.finish`, which the
+        next call of `step()` runs first: the fill also hides behind the caller's handling of
+        this call's outputs (detokenizing), and the sampling is still queued before the next
+        forward (whose decodes read its tokens on the device)."""
         if self._filler is None:
             self._filler = ThreadPoolExecutor(1, thread_name_prefix="paged-mask")
         try:
