@@ -177,8 +177,8 @@ def test_kernels_and_ops(fake, monkeypatch):
     assert platform.attention_backend() is TritonAttentionBackend
     pytest.importorskip("triton")
     fused = platform.ops()
-    # Triton kernels for the model's ops; the sampler's mask op keeps its torch default.
-    assert set(fused) == set(model_ops._DEFAULTS) - {"apply_token_bitmask"}
+    # A Triton kernel for every op: the model's and the sampler's structured-outputs mask.
+    assert set(fused) == set(model_ops._DEFAULTS)
     import paged.kernels.ops as kernel_ops
 
     monkeypatch.setattr(kernel_ops, "find_spec", lambda name: None)
