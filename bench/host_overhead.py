@@ -1,0 +1,89 @@
+"""The engine's host time per step: a batch of decodes on a tiny model (hidden 64, one layer,
+a 4096-token vocabulary) whose forward costs next to nothing on a CPU, so the wall time per
+step is the host's own work (scheduling, packing inputs, resolving, detokenizing).
+
+    python bench/host_overhead.py [--batch 256] [--max-tokens 64] [--repeat 3]
+
+Prints the best pass's ms per step and output tokens/s, and the engine's parts per step
+(structured_gpu.Timeline); appends a line to bench/results/host-overhead.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # after the installed packages
+
+from common import git_rev, machine  # noqa: E402
+from structured_gpu import Timeline, printable_vocab, run  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "host-overhead.md"
+
+
+def tiny_model(path: Path, vocab: int) -> str:
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                      max_position_embeddings=4096, architectures=["LlamaForCausalLM"])  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    save_file({}, str(path / "model.safetensors"))
+    words = {s: i for i, s in enumerate(printable_vocab(vocab))}
+    tok = Tokenizer(models.WordLevel(words, unk_token=" "))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=4096)
+    args = ap.parse_args()
+
+    from paged import LLM, SamplingParams
+
+    path = tiny_model(Path(tempfile.mkdtemp()) / "tiny", args.vocab)
+    llm = LLM(path, load_format="dummy", dtype="float32", enable_prefix_caching=False,
+              max_model_len=512, max_num_seqs=args.batch, async_scheduling=True)  # fmt: skip
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, args.vocab) for _ in range(16)] for _ in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    run(llm, prompts, params)  # warm-up
+    best = None
+    for _ in range(args.repeat):
+        with Timeline(llm.engine) as tl:
+            rate = run(llm, prompts, params)
+        steps = tl.totals["EngineCore.step"][0]
+        ms = tl.wall * 1e3 / steps
+        if best is None or ms < best[0]:
+            best = (ms, rate, tl.report())
+    ms, rate, report = best
+    print(report)
+    line = (f"| {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} | {git_rev()} | {machine()} | "
+            f"batch {args.batch} x {args.max_tokens} tokens | "
+            f"{ms:.2f} ms a step | {rate:,.0f} tok/s |")  # fmt: skip
+    print(line)
+    if not RESULTS.exists():
+        RESULTS.write_text(
+            "# Host time per step (`python bench/host_overhead.py`)\n\n"
+            "Command: `python bench/host_overhead.py --batch 256 --max-tokens 64 --repeat 3`;"
+            " the best of the passes.\n\n"
+            "| date (UTC) | commit | machine | workload | host time | output |\n"
+            "|---|---|---|---|---|---|\n"
+        )
+    with RESULTS.open("a") as f:
+        f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
