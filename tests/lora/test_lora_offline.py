@@ -149,3 +149,34 @@ def test_fused_projections_phi3(tmp_path, adapter_maker, hf_greedy):
     p = prompts(2)[1]
     out = llm.generate([p], PARAMS, use_tqdm=False, lora_request=LoRARequest("a", 1, ad))
     assert out[0].outputs[0].token_ids == hf_greedy(merged, p, N)
+
+
+def test_warmup_runs_the_first_lora_module_then_forgets_it(lora_model, adapters):
+    """With --lora-modules the warm-up's steps mix adapter and base rows (the LoRA kernels
+    compile before any client's request); afterwards no slot, spec or host copy is left and
+    a client's adapter runs as on an engine without warm-up."""
+    from paged.engine.warmup import WARMUP_LORA_ID, warm_up
+
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory="16MiB", max_num_batched_tokens=32,
+              lora_modules=[f"beta={adapters['beta']}"])  # fmt: skip
+    llm = LLM(lora_model, kernel_warmup=False, **kw)
+    engine, steps = llm.engine, []
+    launch = engine.executor.launch
+    engine.executor.launch = lambda batch, prev: steps.append(
+        [getattr(r, "lora_request", None) for r in batch.reqs]) or launch(batch, prev)
+    warm_up(engine)
+    del engine.executor.launch
+    assert any(None in s and any(s) for s in steps)  # adapter and base rows in one step
+    assert {r.lora_int_id for s in steps for r in s if r} == {WARMUP_LORA_ID}
+    lora = engine.runner.lora
+    assert not lora.slot_of and not lora.specs and not lora.host and lora.loads == 0
+    assert engine.kv.num_free_blocks == engine.num_blocks and not engine.kv.cached
+    a = LoRARequest("alpha", 1, adapters["alpha"])
+    fresh = LLM(lora_model, kernel_warmup=False, **kw)
+    ps = prompts(3)
+    want = [o.outputs[0].token_ids for o in fresh.generate(ps, PARAMS, use_tqdm=False,
+                                                            lora_request=[a, None, a])]  # fmt: skip
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, PARAMS, use_tqdm=False,
+                                                        lora_request=[a, None, a])]  # fmt: skip
+    assert got == want
