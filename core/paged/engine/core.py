@@ -107,9 +107,8 @@ class EngineCore:
         )
         self.structured.pin_memory = self.platform.pin_memory
         self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
-        self._filling = DeferredMask()  # the last mask handed to it
         self.inflight = None  # (batch, handle, computed counts) of a launched step
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.reset_counters()
         warm = config.kernel_warmup
         if (self.platform.kernel_warmup if warm is None else warm) and runner == "generate":
             warm_up(self)  # kernels compile now, not in the first requests
@@ -263,6 +262,14 @@ class EngineCore:
             **(self.spec.metrics() if self.spec is not None else {}),
         }
 
+    def reset_counters(self) -> None:
+        """Every counter /metrics reports, as at start (also after the start-up warm-up)."""
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.kv.reset_counters()
+        self.scheduler.reset_counters()
+        if self.spec is not None:
+            self.spec.reset_counters()
+
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         """Schedule and launch one step; return the outputs of the steps that completed.
@@ -275,6 +282,7 @@ class EngineCore:
             outs += self._admit_masked()
         prev = self.inflight
         if prev is not None and prev[1].pending is not None:  # its mask is being filled
+            mask = prev[0].token_bitmask  # a DeferredMask: only those defer the sampling
             try:  # queue its sampling now, before this step's forward
                 prev[1].finish()
             except Exception as e:
@@ -282,7 +290,7 @@ class EngineCore:
                 outs += self._fail([r for r in prev[0].reqs if not r.finished], e)
                 prev = self.inflight = None
             finally:
-                self._filling.wait()  # never two fills at once, whatever failed
+                mask.wait()  # never two fills at once, whatever failed
         if prev is not None and not self._can_overlap():
             outs += self._resolve(prev)
             prev = self.inflight = None
@@ -305,7 +313,6 @@ class EngineCore:
         if prev is not None:
             if fill is not None and launched is not None:  # its sampling is queued by the
                 self._fill_beside(fill, batch, prev)  # next call, once this one returned
-                self._filling = fill
             outs += self._resolve(prev)
         self.inflight = launched if self.runner.overlap else None
         if launched is not None and not self.runner.overlap:

@@ -20,7 +20,6 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
     ):
-        self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", 1) is False:
             # A fast tokenizer that cleans up no spaces decodes as its Rust backend does; calling

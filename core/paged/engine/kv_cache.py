@@ -51,8 +51,6 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self.req_registered: dict[str, int] = {}  # request id -> full blocks already cached
         self.copies: list[tuple[int, int]] = []  # (source, destination) for the next step
-        self.queries = 0  # prefix-cache lookups (tokens) and hits (tokens), for metrics
-        self.hits = 0
         # Sliding window: block 0 is the null block, the placeholder for released positions.
         self.window = window
         self.null_block: int | None = None
@@ -60,6 +58,12 @@ class KVCacheManager:
             self.null_block = 0
             del self.free[0]
         self.req_released: dict[str, int] = {}  # request id -> leading positions released
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """The counters /metrics reports, as at start (also after the start-up warm-up)."""
+        self.queries = 0  # prefix-cache lookups (tokens) and hits (tokens), for metrics
+        self.hits = 0
         self.num_window_released = 0  # blocks released out of a window (counter)
         self.peak_seq_blocks = 0  # most blocks one sequence held at once
 

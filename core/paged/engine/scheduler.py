@@ -38,12 +38,15 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_prompt_computed = 0  # prompt tokens through the forward (prefix hits excluded)
+        self.reset_counters()
         self.finished_ids: list[str] = []  # ended since the last schedule(): workers forget them
         # Speculative decoding: most proposals a decoding request may verify (0: none); its
         # lookahead slots are allocated with the step and given back after it.
         self.lookahead: Callable[[Request], int] | None = None
+
+    def reset_counters(self) -> None:
+        self.num_preemptions = 0
+        self.num_prompt_computed = 0  # prompt tokens through the forward (prefix hits excluded)
 
     def add(self, req: Request, followers: list[Request] = ()) -> None:
         """Queue `req`; `followers`: the other sequences of its prompt, forked from it. A group

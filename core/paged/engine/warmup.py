@@ -97,20 +97,8 @@ def warm_up(engine: EngineCore) -> float:
     if lora is not None:  # forgotten: its id is never a client's
         engine.remove_lora(lora.lora_int_id)
         engine.runner.lora.loads = 0
-    reset_counters(engine)
+    engine.kv.reset_prefix_cache()
+    engine.reset_counters()
     seconds = time.perf_counter() - t0
     log.info("warm-up: %d synthetic requests in %.1f s", len(prompts), seconds)
     return seconds
-
-
-def reset_counters(engine: EngineCore) -> None:
-    """The prefix cache and every counter /metrics reports, as at start."""
-    engine.kv.reset_prefix_cache()
-    engine.kv.queries = engine.kv.hits = engine.kv.num_window_released = 0
-    engine.kv.peak_seq_blocks = 0
-    engine.scheduler.num_preemptions = engine.scheduler.num_prompt_computed = 0
-    engine.stats = {"prompt_tokens": 0, "generation_tokens": 0}
-    if engine.spec is not None:
-        spec = engine.spec
-        spec.num_drafts = spec.num_draft_tokens = spec.num_accepted_tokens = 0
-        spec.accepted_per_pos = [0] * spec.k

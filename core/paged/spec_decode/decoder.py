@@ -46,6 +46,9 @@ class SpecDecoder:
             from paged.spec_decode.draft import DraftProposer
 
             self.draft = DraftProposer(draft_runner)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.num_drafts = 0  # verifications (a request's proposals in one step)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
