@@ -21,26 +21,18 @@ _HERE = str(Path(__file__).resolve().parent)  # bench/ after the installed packa
 sys.path = [p for p in sys.path if p != _HERE] + [_HERE]  # kernels.py is not the `kernels` one
 
 from common import git_rev, machine  # noqa: E402
-from structured_gpu import Timeline, printable_vocab, run  # noqa: E402
+from structured_gpu import Timeline, dummy_dir, run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "host-overhead.md"
 
 
 def tiny_model(path: Path, vocab: int) -> str:
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
-    from transformers import LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                       max_position_embeddings=4096, architectures=["LlamaForCausalLM"])  # fmt: skip
-    path.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(path)
-    save_file({}, str(path / "model.safetensors"))
-    words = {s: i for i, s in enumerate(printable_vocab(vocab))}
-    tok = Tokenizer(models.WordLevel(words, unk_token=" "))
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    return str(path)
+    return dummy_dir(cfg, path)
 
 
 def main() -> None:

@@ -49,15 +49,20 @@ def printable_vocab(size: int) -> list[str]:
 
 
 def shape_dir(model: str, path: Path) -> str:
-    """config.json of the named shape, an empty weights file (dummy weights are drawn) and a
-    tokenizer over printable_vocab (its strings are its tokens: no pre-tokenizer merges)."""
+    """The named shape's model directory for --load-format dummy (dummy_dir)."""
+    from paged.model.shapes import shape_config
+
+    return dummy_dir(shape_config(model), path)
+
+
+def dummy_dir(cfg, path: Path) -> str:
+    """A transformers config's config.json, an empty weights file (dummy weights are drawn)
+    and a tokenizer over printable_vocab (its strings are its tokens: no pre-tokenizer
+    merges)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from paged.model.shapes import shape_config
-
-    cfg = shape_config(model)
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
     save_file({}, str(path / "model.safetensors"))
