@@ -168,7 +168,7 @@ class ModelRunner:
         """A forward over `max_num_batched_tokens` tokens and logits for `max_num_seqs` rows,
         on a throwaway KV cache, so the platform sees the activation peak."""
         cfg, bs = self.config, self.block_size
-        budget = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        budget = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.max_model_len - 1))
         batch, next_block = ScheduledBatch(), 0
         while budget > 0:
             n = min(budget, self.max_model_len - 1)
