@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import random
-import sys
 import tempfile
 from pathlib import Path
 
-_HERE = str(Path(__file__).resolve().parent)  # bench/ after the installed packages: its
-sys.path = [p for p in sys.path if p != _HERE] + [_HERE]  # kernels.py is not the `kernels` one
-
-from common import git_rev, machine  # noqa: E402
-from structured_gpu import Timeline, dummy_dir, run  # noqa: E402
+from common import git_rev, machine
+from structured_gpu import Timeline, dummy_dir, run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "host-overhead.md"
 

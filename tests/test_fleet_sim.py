@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Loaded by path: bench/ on sys.path would shadow packages (bench/kernels.py vs HF's kernels).
+# Loaded by path: bench/ is a directory of scripts, not a package on sys.path.
 _spec = importlib.util.spec_from_file_location(
     "fleet_sim", Path(__file__).resolve().parents[1] / "bench" / "fleet_sim.py"
 )

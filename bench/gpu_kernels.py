@@ -1,6 +1,6 @@
 """GPU micro-benchmark of paged.kernels against plain-torch references (Llama-3.1-8B shapes).
 
-Run: `python bench/kernels.py` (needs CUDA; exits cleanly without it). Prints, per kernel and
+Run: `python bench/gpu_kernels.py` (needs CUDA; exits cleanly without it). Prints, per kernel and
 shape, the median time (triton.testing.do_bench, which flushes L2 between runs), the achieved
 bandwidth (bytes of each input read once + each output written once), TFLOP/s for prefill,
 the torch reference time, the speed-up and the relative error against that reference.
@@ -188,7 +188,7 @@ def bench_elementwise(gen: torch.Generator) -> None:
 
 def main() -> None:
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device, skipping")
+        print("bench/gpu_kernels.py: no CUDA device, skipping")
         return
     import triton
 
