@@ -48,6 +48,7 @@ class FakeRequest:
         self.num_computed_tokens = len(self.token_ids) - 1
         self.num_tokens = len(self.token_ids)
         self.output_token_ids = out
+        self.finished = False
 
 
 class FakeBatch:
@@ -112,3 +113,33 @@ def test_backend_flag():
 
     with pytest.raises(ValueError, match="structured_outputs_backend"):
         EngineConfig(structured_outputs_backend="nope")
+
+
+def test_a_known_grammar_is_ready_at_once_a_new_one_compiles_in_the_pool(tiny_smol):
+    """A batch of requests with one schema: the first compiles in the pool, the rest (and
+    allowed-id lists) are ready when added, so the next step schedules all of them."""
+    from transformers import AutoTokenizer
+
+    from paged.sampling.params import StructuredOutputsParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_smol)
+    so = StructuredOutputs(lambda: tok, len(tok), (tok.eos_token_id,))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def add(rid: str, **kw) -> None:
+        so.add([FakeRequest(rid, [], SamplingParams(**kw))])
+
+    add("first", structured_outputs=StructuredOutputsParams(json=schema))
+    assert so._pool is not None  # compiling: off the step loop
+    so.pending["first"][1].result(timeout=60)
+    add("same", structured_outputs=StructuredOutputsParams(json=dict(schema)))
+    add("ids", allowed_token_ids=[3, 4])
+    assert so.pending["same"][1].done() and so.pending["ids"][1].done()
+    add("other", structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    ready, failed = so.ready(timeout=60)
+    while so.pending:
+        more, bad = so.ready(timeout=60)
+        ready, failed = ready + more, failed + bad
+    assert not failed
+    assert sorted(s[0].request_id for s in ready) == ["first", "ids", "other", "same"]
+    assert so.masks["same"].matcher is not None and so.masks["ids"].matcher is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -53,9 +54,10 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @functools.cached_property
     def spec(self) -> str:
-        """The kind's specification as text (the compile cache's key with the kind)."""
+        """The kind's specification as text (the compile cache's key with the kind); computed
+        once (a request's spec is read at each stage of its setup)."""
         v = getattr(self, self.kind)
         if self.kind == "json":
             return v if isinstance(v, str) else _json.dumps(v)  # key order: generation order

@@ -11,10 +11,12 @@ loaded in the engine core once, lazily, by the first request that needs it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("paged")
 BACKENDS = ("auto", "xgrammar", "llguidance")
 COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse
+KEEP_COMPILED = 32  # the last grammars used: their requests skip the compile pool
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[16:36:30] /project/x.cc:94: "
 
 
@@ -69,22 +72,30 @@ def choice_ebnf(choices: list[str]) -> str:
 def check_spec(sp: StructuredOutputsParams, field: str) -> None:
     """Parse the spec without a tokenizer (cheap): ValueError '`field`: why' if invalid.
     `field` is how the client spelled it (e.g. response_format.json_schema.schema)."""
-    import xgrammar as xgr
-
     kind = sp.kind
+    if kind == "json_object":
+        return
+    text = choice_ebnf(sp.choice) if kind == "choice" else sp.spec
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(sp.spec)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(sp.regex)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(sp.grammar)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_ebnf(sp.choice))
+        _parse(kind, text)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError
         what = {"json": "invalid JSON schema", "regex": "invalid regex",
                 "grammar": "invalid EBNF grammar", "choice": "invalid choices"}[kind]  # fmt: skip
         raise ValueError(f"{field}: {what}: {_clean(e)}") from None
+
+
+@functools.lru_cache(maxsize=512)
+def _parse(kind: str, text: str) -> None:
+    """Parse a spec's text (raises when invalid). Valid ones are remembered: a batch of
+    requests with one schema parses it once (0.15 ms each for a modest schema)."""
+    import xgrammar as xgr
+
+    if kind == "json":
+        xgr.Grammar.from_json_schema(text)
+    elif kind == "regex":
+        xgr.Grammar.from_regex(text)
+    else:  # grammar, choice (as EBNF)
+        xgr.Grammar.from_ebnf(text)
 
 
 def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
@@ -196,6 +207,8 @@ class StructuredOutputs:
         self._pool: ThreadPoolExecutor | None = None
         self._max_workers = max_workers
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, once there are matchers
+        self._compiled: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()  # recent ones
+        self._compiled_lock = threading.Lock()
         self.pending: dict[str, tuple[list[Any], Future]] = {}  # first id -> (sequences, job)
         self.masks: dict[str, RequestMask] = {}  # sequence id -> its mask state
         self.pin_memory = False  # the engine sets it where the platform pins host buffers
@@ -234,9 +247,20 @@ class StructuredOutputs:
                     f"allowed_token_ids: token id {bad} is out of vocabulary "
                     f"(vocabulary size {self.vocab_size})"
                 )
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="paged-grammar")
-        self.pending[seqs[0].request_id] = (seqs, self._pool.submit(self._prepare, p))
+        sp = p.structured_outputs
+        if not p.bad_words and (sp is None or self._known(sp)):  # no compiling: ready now
+            job: Future = Future()
+            try:
+                job.set_result(self._prepare(p))
+            except Exception as e:
+                job.set_exception(e)
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._max_workers, thread_name_prefix="paged-grammar"
+                )
+            job = self._pool.submit(self._prepare, p)
+        self.pending[seqs[0].request_id] = (seqs, job)
 
     def ready(self, timeout: float = 0.0) -> tuple[list[list[Any]], list[tuple[Any, str]]]:
         """(sequences of each request whose mask is ready, (sequence, error) of those that
@@ -320,18 +344,40 @@ class StructuredOutputs:
                 raise ValueError(f"structured_outputs.{sp.kind}: {_clean(e)}") from None
         return compiled, allowed, bad
 
+    @staticmethod
+    def _key(sp: StructuredOutputsParams) -> tuple[str, str, bool]:
+        return sp.kind, sp.spec, sp.disable_any_whitespace
+
+    def _known(self, sp: StructuredOutputsParams) -> bool:
+        with self._compiled_lock:
+            return self._key(sp) in self._compiled
+
     def _compile(self, sp: StructuredOutputsParams) -> Any:
+        """The compiled grammar: from the last KEEP_COMPILED ones (a request whose grammar
+        is among them is ready at once, `add`), else compiled by xgrammar (its own cache
+        first)."""
+        key = self._key(sp)
+        with self._compiled_lock:
+            if (compiled := self._compiled.get(key)) is not None:
+                self._compiled.move_to_end(key)
+                return compiled
         c = self._compiler
         kind = sp.kind
         if kind == "json":
-            return c.compile_json_schema(sp.spec, any_whitespace=not sp.disable_any_whitespace)
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if kind == "regex":
-            return c.compile_regex(sp.regex)
-        if kind == "choice":
-            return c.compile_grammar(choice_ebnf(sp.choice))
-        return c.compile_grammar(sp.grammar)
+            compiled = c.compile_json_schema(sp.spec, any_whitespace=not sp.disable_any_whitespace)
+        elif kind == "json_object":
+            compiled = c.compile_builtin_json_grammar()
+        elif kind == "regex":
+            compiled = c.compile_regex(sp.regex)
+        elif kind == "choice":
+            compiled = c.compile_grammar(choice_ebnf(sp.choice))
+        else:
+            compiled = c.compile_grammar(sp.grammar)
+        with self._compiled_lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > KEEP_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
 
     # ---- each step -----------------------------------------------------------------
     def bitmask(self, batch: Any) -> TokenBitmask | None:
