@@ -30,6 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
 from structured import SCHEMA  # noqa: E402  (bench/ is the script's directory)
 
 from paged import LLM, SamplingParams  # noqa: E402
@@ -76,11 +77,11 @@ class Timeline:
     """Wall time spent in the engine's parts, per step (methods wrapped on the instances):
     which host work lies on the step loop's path, the mask thread's fill beside it."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, ranges: bool = False) -> None:
         from paged.engine import core
         from paged.sampling import structured
 
-        self.engine, self.totals, self.patched = engine, {}, []
+        self.engine, self.totals, self.patched, self.ranges = engine, {}, [], ranges
         runner = engine.runner
         self.targets = [
             (engine, "step"), (engine.scheduler, "schedule"), (engine.executor, "launch"),
@@ -90,14 +91,21 @@ class Timeline:
             (structured.MaskFill, "finish"),
         ]  # fmt: skip
 
+    @staticmethod
+    def key(obj, name: str) -> str:
+        return f"{getattr(obj, '__name__', type(obj).__name__)}.{name}"
+
     def __enter__(self) -> Timeline:
         for obj, name in self.targets:
             fn = getattr(obj, name)
-            key = f"{getattr(obj, '__name__', type(obj).__name__)}.{name}"
+            key = self.key(obj, name)
 
             def timed(*a, _fn=fn, _key=key, **k):
                 t = time.perf_counter()
                 try:
+                    if self.ranges:  # named ranges in a torch.profiler trace
+                        with torch.profiler.record_function(_key):
+                            return _fn(*a, **k)
                     return _fn(*a, **k)
                 finally:
                     n, total = self.totals.get(_key, (0, 0.0))
@@ -150,6 +158,68 @@ def device_profile(llm: LLM, prompts: list[list[int]], kinds) -> None:
         print(f"  {name:70s} {a} {ms_a:8.1f} ms  {b} {ms_b:8.1f} ms")
 
 
+def device_waits(dev: list, host: list) -> tuple[float, dict, dict]:
+    """Idle microseconds between device events (start, end, name) longer than launch latency,
+    by the event that ended each wait and by the host ranges (start, end, name, thread) that
+    overlapped it; the stepping thread's time outside EngineCore.step is the caller's."""
+    main = next(th for *_, name, th in host if name == "EngineCore.step")
+    steps = [(a, b) for a, b, name, th in host if name == "EngineCore.step"]
+    by_next: dict[str, float] = {}
+    by_host: dict[str, float] = {}
+    idle, end = 0.0, dev[0][1]
+    for start, stop, name in dev:
+        gap = start - end
+        if gap > 20:  # microseconds; shorter ones are launch latency
+            idle += gap
+            by_next[name[:60]] = by_next.get(name[:60], 0.0) + gap
+            inside = sum(max(0.0, min(b, start) - max(a, end)) for a, b in steps)
+            by_host["(caller, outside EngineCore.step)"] = (
+                by_host.get("(caller, outside EngineCore.step)", 0.0) + gap - inside
+            )
+            for a, b, hname, th in host:
+                over = min(b, start) - max(a, end)
+                if over > 0:
+                    key = f"{hname} ({'stepping' if th == main else 'another'} thread)"
+                    by_host[key] = by_host.get(key, 0.0) + over
+        end = max(end, stop)
+    return idle, by_next, by_host
+
+
+def device_gaps(llm: LLM, prompts: list[list[int]], kinds) -> None:
+    """Per pass: the time the device sat idle between kernels and copies, split by the kernel
+    that ended the wait and by the engine's parts the host was in meanwhile (the Timeline's
+    methods as profiler ranges, on the stepping thread)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for kind, params in kinds:
+        with (
+            Timeline(llm.engine, ranges=True),
+            profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+        ):
+            t = time.perf_counter()
+            run(llm, prompts, params)
+            wall = time.perf_counter() - t
+        events = prof.events()
+        dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type.name != "CPU")  # fmt: skip
+        if not dev:
+            print(f"=== device gaps, {kind}: no device events (a CPU run)")
+            continue
+        names = {Timeline.key(obj, name) for obj, name in Timeline(llm.engine).targets}
+        host = [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in events
+                if e.device_type.name == "CPU" and e.name in names]  # fmt: skip
+        idle, by_next, by_host = device_waits(dev, host)
+        span = (dev[-1][1] - dev[0][0]) / 1e3
+        print(f"=== device gaps, {kind}: wall {wall * 1e3:.0f} ms, device span {span:.0f} ms, "
+              f"idle (gaps over 20 us) {idle / 1e3:.1f} ms")  # fmt: skip
+        print("  by the kernel that ended the wait:")
+        for name, us in sorted(by_next.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {name:60s} {us / 1e3:8.1f} ms")
+        print("  host ranges overlapping the waits (nested ranges each count):")
+        for name, us in sorted(by_host.items(), key=lambda kv: -kv[1])[:14]:
+            print(f"    {name:60s} {us / 1e3:8.1f} ms")
+
+
 def generate(llm: LLM, prompts: list[list[int]], params) -> tuple[float, list[int]]:
     """(output tokens/s, each request's output length)."""
     t = time.perf_counter()
@@ -185,6 +255,12 @@ def main() -> None:
         action="store_true",
         help="torch.profiler over a pass of each kind: device busy time against wall time and "
         "the kernels that differ",
+    )
+    ap.add_argument(
+        "--device-gaps",
+        action="store_true",
+        help="torch.profiler over a pass of each kind: the device's idle time between kernels, "
+        "by the kernel that ended it and by what the host was doing meanwhile",
     )
     ap.add_argument(
         "--profile",
@@ -230,6 +306,8 @@ def main() -> None:
             print(tl.report())
     if args.device_profile:
         device_profile(llm, prompts, (("plain", plain), ("json_schema", constrained)))
+    if args.device_gaps:
+        device_gaps(llm, prompts, (("plain", plain), ("json_schema", constrained)))
     if args.profile:
         import cProfile
         import pstats

@@ -1,0 +1,79 @@
+"""Where a decode step's device time goes: torch.profiler over a generation with random
+weights in a real shape, kernels summed by name per generated token, and the device's idle time
+between them.
+
+    python bench/decode_profile.py [--model llama-3.1-8b] [--batch 1] [--tokens 64]
+        [--quantization fp8] [--kv-cache-dtype fp8]
+
+Prints per step: wall time, device busy and idle (gaps over 20 us: the host was late), and the
+kernels by their time per step (calls per step beside). The prompt is 16 tokens, so the one
+prefill step weighs little against `--tokens` decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from structured_gpu import shape_dir  # noqa: E402
+
+from paged import LLM, SamplingParams  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    path = shape_dir(args.model, Path(tempfile.mkdtemp()) / args.model)
+    llm = LLM(path, load_format="dummy", dtype=args.dtype, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
+              max_model_len=16 + args.tokens + 16, max_num_seqs=max(args.batch, 1))  # fmt: skip
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(16)]}
+               for _ in range(args.batch)]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: graphs, kernels
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+    dev = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type.name != "CPU")  # fmt: skip
+    if not dev:
+        print("no device events: a CPU run")
+        return
+    steps = args.tokens
+    by_name: dict[str, list[float]] = {}
+    idle, end = 0.0, dev[0][1]
+    for start, stop, name in dev:
+        if start - end > 20:
+            idle += start - end
+        end = max(end, stop)
+        entry = by_name.setdefault(name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += stop - start
+    busy = sum(v[1] for v in by_name.values())
+    print(f"{args.model} {args.dtype} quantization={args.quantization} kv={args.kv_cache_dtype} "
+          f"batch {args.batch}, {steps} tokens: wall {wall * 1e3 / steps:.3f} ms a step, device "
+          f"busy {busy / 1e3 / steps:.3f} ms, idle {idle / 1e3 / steps:.3f} ms "
+          f"({len(dev) / steps:.0f} device events a step)")  # fmt: skip
+    for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
+        print(f"  {us / steps:8.1f} us  {calls / steps:6.1f} calls  {name}")
+
+
+if __name__ == "__main__":
+    main()
