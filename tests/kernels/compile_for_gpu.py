@@ -121,9 +121,11 @@ def fused() -> None:
 
 def quantized_linears() -> None:
     from paged.kernels.fp8_gemm import fp8_linear
+    from paged.kernels.gemv import gemv
     from paged.kernels.int4_gemm import int4_linear
 
     n, k = 256, 512
+    gemv(t(1, k), t(n, k))  # a plain (bf16) decode GEMV
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)

@@ -2,10 +2,11 @@
 operands accumulating in float32, scaled by the token's scale and the weight's per-channel or
 per-block scales (paged.quantization.reference.fp8_linear is the arithmetic).
 
-`quantize_fp8_rows` is one program per row (the row's absmax, then the scaled cast);
-`fp8_linear` runs it and, for up to 4 rows (decode), `_fp8_gemv` (BLOCK_N outputs of one row
-per program, reduced on the vector units), else `_fp8_gemm`: a BLOCK_M x BLOCK_N tile of the
-output per program on the tensor cores, stepping over K by BLOCK_K. With per-channel weight
+For up to 4 rows (decode) `fp8_linear` is one kernel that quantizes the rows itself:
+`gemv.fp8_gemv_dot` (tensor cores) with per-channel scales, `gemv.gemv` with block scales.
+Else `quantize_fp8_rows` (one program per row: the row's absmax, then the scaled cast)
+and `_fp8_gemm`: a BLOCK_M x BLOCK_N tile of the output per program on the tensor cores,
+stepping over K by BLOCK_K. With per-channel weight
 scales (one group) the scales multiply the finished accumulator; with block scales
 (DeepSeek/Qwen FP8 checkpoints: 128 columns a group) each K step's partial product is scaled
 by its group's weight scale.
@@ -17,20 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import gemv
+from paged.kernels.e4m3 import round_e4m3
+
 FP8_MAX = 448.0
-
-
-@triton.jit
-def _round_e4m3(v):
-    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32:
-    the cast to fp8 is then exact whatever rounding the conversion does (the CPU
-    interpreter's float32 -> fp8 cast mis-rounds values that carry into the next binade)."""
-    bits = v.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals share 2^-6's step
-    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    t = tl.abs(v) / ulp
-    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round t to an integer
-    return tl.where(v < 0, -r, r) * ulp
 
 
 @triton.jit
@@ -45,7 +36,7 @@ def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr)
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = _round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        q = round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
         tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
     tl.store(s_ptr + row, scale)
 
@@ -113,40 +104,6 @@ def _fp8_gemm(
              acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-@triton.jit
-def _fp8_gemv(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, N, K, G, group_k, stride_am, stride_bn,
-    stride_cm, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Few rows: one row's BLOCK_N outputs per program, products summed on the vector units."""
-    pid_n = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols64[:, None] * stride_bn + ks[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        part = tl.sum(b * a[None, :], axis=1)
-        if GROUPED:
-            part = part * tl.load(bs_ptr + cols64 * G + k0 // group_k, mask=col_ok, other=0.0)
-        acc += part
-    acc = acc * tl.load(as_ptr + row)
-    if not GROUPED:
-        acc = acc * tl.load(bs_ptr + cols64 * G, mask=col_ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(c_ptr + row * stride_cm + cols, acc.to(c_ptr.dtype.element_ty), mask=col_ok)
-
-
-GEMV_MAX_ROWS = 4
-
-
 def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, int, int]:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
     block_n = 32 if m <= 16 else 64 if m <= 64 else 128
@@ -155,6 +112,11 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, in
     if grouped:  # one weight scale per K step
         block_k = min(block_k, group_k)
     return block_m, block_n, block_k
+
+
+def check_group(group_k: int, grouped: bool) -> None:
+    if grouped and (group_k & (group_k - 1) or group_k < 16):
+        raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
 
 
 def fp8_gemm(
@@ -173,18 +135,10 @@ def fp8_gemm(
     if m == 0:
         return c
     grouped = groups > 1
-    if grouped and (group_k & (group_k - 1) or group_k < 16):
-        raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
+    check_group(group_k, grouped)
     b = bias if bias is not None else c
-    if m <= GEMV_MAX_ROWS:
-        bk = min(256, max(16, triton.next_power_of_2(k)))
-        bk = min(bk, group_k) if grouped else bk
-        _fp8_gemv[(triton.cdiv(n, 32), m)](
-            a, a_scale, weight, scale, b, c, n, k, groups, group_k, a.stride(0),
-            weight.stride(0), c.stride(0), HAS_BIAS=bias is not None, GROUPED=grouped,
-            BLOCK_N=32, BLOCK_K=bk, num_warps=4,
-        )  # fmt: skip
-        return c
+    if m <= gemv.MAX_ROWS:
+        return gemv.gemv(a, weight, scale, group_k, bias, x_scale=a_scale, out_dtype=out_dtype)
     bm, bn, bk = _tiles(m, n, k, group_k, grouped)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_gemm[grid](
@@ -208,6 +162,12 @@ def fp8_linear(
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q, s = quantize_fp8_rows(x2)
-    y = fp8_gemm(q, s, weight, scale, group_k, bias, x.dtype)
+    m = x2.shape[0]
+    if m <= gemv.DOT_MAX_ROWS and scale.shape[1] == 1:  # decode: one kernel, quantizing too
+        y = gemv.fp8_gemv_dot(x2, weight, scale, bias)
+    elif m <= gemv.MAX_ROWS:
+        y = gemv.gemv(x2, weight, scale, group_k, bias, quantize_x=True)
+    else:
+        q, s = quantize_fp8_rows(x2)
+        y = fp8_gemm(q, s, weight, scale, group_k, bias, x.dtype)
     return y.view(*shape[:-1], weight.shape[0])

@@ -2,7 +2,9 @@
 scales): the `fp8_linear` op of the cuda platform where the device has fp8 (sm_89+).
 
 Per-token activation scales from the portable Triton quantization kernel, per-channel weight
-scales as `torch._scaled_mm`'s row-wise `scale_b`. Block-scaled weights (fp8 checkpoints with
+scales as `torch._scaled_mm`'s row-wise `scale_b`. Up to 4 rows (decode) take the portable
+tensor-core GEMV, which quantizes the rows itself (one kernel instead of two; 1.5-1.8x
+faster on an H200 at one row: bench/gemv_gpu.py). Block-scaled weights (fp8 checkpoints with
 weight_block_size) and outputs other than bfloat16 (row-wise scaling's only output type) take
 the portable Triton GEMM instead.
 """
@@ -13,6 +15,7 @@ import torch
 
 from paged.kernels.fp8_gemm import fp8_linear as triton_fp8_linear
 from paged.kernels.fp8_gemm import quantize_fp8_rows
+from paged.kernels.gemv import DOT_MAX_ROWS
 
 
 def scaled_mm_available() -> bool:
@@ -28,7 +31,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     n, k = weight.shape
     rowwise = scale.shape[1] == 1 and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
-    if not rowwise or x.numel() == 0:
+    if not rowwise or x.numel() <= DOT_MAX_ROWS * k:  # few rows: the Triton GEMV is faster
         return triton_fp8_linear(x, weight, scale, group_k, bias)
     shape = x.shape
     x2 = x.reshape(-1, k)

@@ -1,0 +1,116 @@
+"""Decode GEMVs on one GPU (batch-1 decode reads every weight once a token): paged's Triton
+GEMV (paged.kernels.gemv) against cuBLAS, per Llama-3.1-8B projection, M = 1.
+
+    python bench/gemv_gpu.py [--sweep bf16,fp8,fp8dot] [--rows 1]
+
+Per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, head
+128256x4096): bf16 F.linear (cuBLAS), fp8 torch._scaled_mm with paged's per-token quantization
+kernel in front (the cuda plugin's path for many rows), paged's fp8 GEMV quantizing the
+activation inside (CUDA cores, and on the tensor cores with the operands swapped), and paged's
+plain bf16 GEMV. Times are medians inside a CUDA graph that cycles through enough copies of
+the weight to spill L2 (every call reads HBM). `--sweep` times every config of the GEMVs
+named and prints the best per shape beside the default's. GB/s: weight bytes over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+          ("down", 4096, 14336), ("head", 128256, 4096)]  # fmt: skip
+L2_SPILL = 256 << 20  # bytes of weight copies cycled per timing (H200's L2 is 50 MB)
+# (BLOCK_N, BLOCK_K, warps): the accumulator at most 128 float32 registers a thread
+CONFIGS = [c for c in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024), (4, 8))
+           if c[0] * c[1] <= 4096 * c[2]]  # fmt: skip
+# the tensor-core fp8 GEMV: (BLOCK_N, BLOCK_K, warps, stages)
+DOT_CONFIGS = [*itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (3,)),
+               *itertools.product((32, 64, 128), (128, 256, 512), (4,), (4,))]  # fmt: skip
+
+
+def timed(fn, copies: int) -> float:
+    """Median ms of one call (fn cycles through `copies` weights)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=50, return_mode="median") / copies
+
+
+def bench_shape(name: str, n: int, k: int, m: int, sweep: list[str], gen) -> None:
+    from paged.kernels.fp8_gemm import quantize_fp8_rows
+    from paged.kernels.gemv import dot_config, fp8_gemv_dot, gemv, gemv_config
+
+    dev, bf16 = "cuda", torch.bfloat16
+    copies = max(1, L2_SPILL // (n * k))
+    w = [torch.randn(n, k, device=dev, dtype=bf16, generator=gen) * 0.02 for _ in range(copies)]
+    q = [quantize_fp8_rows(t) for t in w]
+    x = torch.randn(m, k, device=dev, dtype=bf16, generator=gen)
+
+    def mm():
+        for a, s in q:
+            xq, xs = quantize_fp8_rows(x)
+            torch._scaled_mm(xq, a.t(), scale_a=xs, scale_b=s.view(1, n), out_dtype=bf16)
+
+    def plain(cfg=None):
+        return lambda: [gemv(x, t, config=cfg) for t in w]
+
+    def fp8(cfg=None):
+        return lambda: [gemv(x, a, s, k, quantize_x=True, config=cfg) for a, s in q]
+
+    def fp8dot(cfg=None):  # None: the kernel's own choice (gemv.dot_config)
+        return lambda: [fp8_gemv_dot(x, a, s, config=cfg) for a, s in q]
+
+    rows = {
+        "bf16 cuBLAS": (2, lambda: [torch.nn.functional.linear(x, t) for t in w]),
+        "bf16 paged GEMV": (2, plain()),
+        "fp8 paged GEMV (quant inside)": (1, fp8()),
+        "fp8 paged tensor-core GEMV": (1, fp8dot()),
+    }
+    if torch.cuda.get_device_capability() >= (8, 9):
+        rows["fp8 quant + _scaled_mm"] = (1, mm)
+    for label, (size, fn) in rows.items():
+        ms = timed(fn, copies)
+        print(f"{name:8s} {n:6d}x{k:<6d} {label:32s} {ms * 1e3:8.1f} us "
+              f"{size * n * k / ms / 1e6:6.0f} GB/s", flush=True)  # fmt: skip
+    kinds = {"bf16": (2, plain, CONFIGS), "fp8": (1, fp8, CONFIGS),
+             "fp8dot": (1, fp8dot, DOT_CONFIGS)}  # fmt: skip
+    for label in sweep:
+        size, make, configs = kinds[label]
+        best = []
+        for cfg in configs:
+            try:
+                best.append((timed(make(cfg), copies), cfg))
+            except triton.runtime.errors.OutOfResources:  # shared memory: too many stages
+                pass
+        best.sort()
+        default = gemv_config(n, k, size) if label != "fp8dot" else dot_config(n, k, x.device)
+        d_ms = dict((c, ms) for ms, c in best).get(default, float("nan"))
+        top = ", ".join(f"{c} {size * n * k / ms / 1e6:.0f}" for ms, c in best[:4])
+        print(f"{name:8s} {label} sweep: best (BLOCK_N, BLOCK_K, warps) GB/s: {top}; default "
+              f"{default} {size * n * k / d_ms / 1e6:.0f} GB/s", flush=True)  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", default="", help="comma-separated: bf16, fp8, fp8dot: time "
+                    "every config of those GEMVs")  # fmt: skip
+    ap.add_argument("--rows", type=int, default=1)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gemv_gpu.py: no CUDA device, skipping")
+        return 0
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, M = {args.rows}, medians in a CUDA graph, HBM reads")
+    for name, n, k in SHAPES:
+        bench_shape(name, n, k, args.rows, [s for s in args.sweep.split(",") if s], gen)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

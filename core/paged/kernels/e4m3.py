@@ -1,0 +1,17 @@
+"""Rounding float32 to float8_e4m3fn's values inside Triton kernels."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32:
+    the cast to fp8 is then exact whatever rounding the conversion does (the CPU
+    interpreter's float32 -> fp8 cast mis-rounds values that carry into the next binade)."""
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals share 2^-6's step
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    t = tl.abs(v) / ulp
+    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round t to an integer
+    return tl.where(v < 0, -r, r) * ulp

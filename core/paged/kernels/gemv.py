@@ -1,0 +1,207 @@
+"""Decode GEMVs: out [M, N] = x [M, K] @ weight [N, K]^T for a few rows (M <= 4), bound by
+reading the weight once. One program computes BLOCK_N outputs of one row, stepping over K by
+BLOCK_K with a [BLOCK_N, BLOCK_K] float32 accumulator reduced once at the end (no cross-lane
+sum per step), so each step is a wide contiguous load of BLOCK_N weight rows.
+
+The weight is bf16/fp16/fp32 (a plain linear) or fp8 with per-row or per-(row, K-group) scales.
+For fp8 the activation is quantized per row to e4m3 inside the kernel exactly as
+`fp8_gemm.quantize_fp8_rows` does (the row's absmax / 448, values rounded to e4m3): the same
+arithmetic as the quantize-then-GEMM path, without a kernel launch and a round trip per linear.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from paged.kernels.e4m3 import round_e4m3
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, G, group_k, stride_xm, stride_wn,
+    stride_om, QUANT_X: tl.constexpr, X_SCALED: tl.constexpr, W_SCALED: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    x_scale = 1.0
+    if QUANT_X:  # the row's per-token scale, as quantize_fp8_rows computes it
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(a))
+        x_scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    if X_SCALED:  # x already quantized, its scale beside it
+        x_scale = tl.load(xs_ptr + row)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if QUANT_X:
+            a = round_e4m3(tl.minimum(tl.maximum(a / x_scale, -448.0), 448.0))
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        if GROUPED:  # one weight scale per K step (BLOCK_K <= group_k)
+            ws = tl.load(ws_ptr + cols64 * G + k0 // group_k, mask=col_ok, other=0.0)
+            acc += tl.sum(w * a[None, :], axis=1) * ws
+        else:
+            acc2 += w * a[None, :]
+    if not GROUPED:
+        acc = tl.sum(acc2, axis=1)
+        if W_SCALED:
+            acc = acc * tl.load(ws_ptr + cols64 * G, mask=col_ok, other=0.0)
+    acc = acc * x_scale
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps): enough programs to fill the device, each loading 16-byte
+    runs of BLOCK_N weight rows per step."""
+    block_k = min(max(16, triton.next_power_of_2(k)), 512 if itemsize == 1 else 256)
+    block_n = 16 if n >= 8192 else 8
+    return min(block_n, max(1, triton.next_power_of_2(n))), block_k, 4
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    group_k: int = 0,
+    bias: torch.Tensor | None = None,
+    *,
+    quantize_x: bool = False,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) times weight [N, K]^T. `scale` [N, G]: the fp8 weight's scales
+    (G groups of `group_k` columns; G == 1 per row); `quantize_x`: x to e4m3 per row first (the
+    fp8 linear's arithmetic); `x_scale` [M, 1]: x is already fp8 with these row scales."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    groups = scale.shape[1] if scale is not None else 1
+    grouped = groups > 1
+    block_n, block_k, warps = config or gemv_config(n, k, weight.element_size())
+    if grouped:  # one weight scale per K step
+        if group_k & (group_k - 1) or group_k < 16:
+            raise ValueError(f"block scales: group of {group_k} columns is not a power of 2 >= 16")
+        block_k = min(block_k, group_k)
+    dummy = out
+    _gemv_kernel[(triton.cdiv(n, block_n), m)](
+        x, x_scale if x_scale is not None else dummy, weight,
+        scale if scale is not None else dummy, bias if bias is not None else dummy, out,
+        n, k, groups, max(group_k, 1), x.stride(0), weight.stride(0), out.stride(0),
+        QUANT_X=quantize_x, X_SCALED=x_scale is not None, W_SCALED=scale is not None,
+        GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _fp8_gemv_dot_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp8 weights with per-row scales on the tensor cores, operands swapped: a
+    [BLOCK_N, BLOCK_K] weight tile times the activations' [BLOCK_K, 16] (the dot's least
+    width). Only ROWS (M rounded up to a power of 2) rows are loaded and quantized per token;
+    each fills 16 / ROWS adjacent columns of the dot, and the first of them is stored."""
+    REP: tl.constexpr = 16 // ROWS
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    r = tl.arange(0, ROWS)
+    r_ok = r < M
+    x_rows = x_ptr + r.to(tl.int64)[:, None] * stride_xm
+    amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
+    x_scale = tl.maximum(tl.max(amax, axis=1) / 448.0, 1e-12)  # [ROWS]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        q = round_e4m3(tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -448.0), 448.0))
+        q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :],
+                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        acc += tl.dot(w, tl.trans(q16.to(w.dtype)), out_dtype=tl.float32)
+    c = tl.arange(0, 16)
+    row = c // REP
+    xs16 = tl.reshape(tl.broadcast_to(x_scale[:, None], (ROWS, REP)), (16,))
+    acc = acc * tl.load(ws_ptr + cols64, mask=col_ok, other=0.0)[:, None] * xs16[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    ptrs = out_ptr + row.to(tl.int64)[None, :] * stride_om + cols64[:, None]
+    ok = col_ok[:, None] & ((row < M) & (c % REP == 0))[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+DOT_WIDTH = 16  # the dot's activation columns: fp8_gemv_dot takes up to 16 rows
+DOT_MAX_ROWS = 4  # where fp8_linear uses it: at 16 rows quant + GEMM is faster (H200)
+
+
+@functools.cache
+def _shared_memory(device: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
+
+
+def dot_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), the best measured on an H200 for Llama-3.1-8B's
+    projections (bench/gemv_gpu.py --sweep fp8dot), with fewer stages where shared memory
+    is smaller (Ada: 99 KB)."""
+    block_n, block_k, stages = (128, 256, 3) if n >= 16384 else (64, 512, 4)
+    block_k = min(block_k, max(32, triton.next_power_of_2(k)))
+    if device.type not in ("cpu", "meta"):  # meta: compiling without a device (tests)
+        smem = _shared_memory(device.index or 0)
+        while stages > 1 and stages * (block_n + DOT_WIDTH) * block_k > smem - 8192:
+            stages -= 1
+    return block_n, block_k, 4, stages
+
+
+def fp8_gemv_dot(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """The fp8 linear (per-row weight scales, x quantized per token) for up to 16 rows on the
+    tensor cores. `config`: (BLOCK_N, BLOCK_K, warps, pipeline stages)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert scale.shape[1] == 1 and m <= DOT_WIDTH
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, block_k, warps, stages = config or dot_config(n, k, x.device)
+    _fp8_gemv_dot_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    return out

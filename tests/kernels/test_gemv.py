@@ -1,0 +1,85 @@
+"""The decode GEMV (paged.kernels.gemv) against torch: plain weights, fp8 weights with the
+activation quantized inside the kernel (equal to quantizing first, as fp8_gemm does), already
+quantized activations, block scales, bias, ragged edges and configs that split N and K."""
+
+import pytest
+import torch
+
+from paged.quantization import reference as ref
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.float().abs().max().clamp(min=1.0)
+    assert (got.float() - want.float()).abs().max() <= tol * scale
+
+
+CONFIGS = [None, (4, 32, 2), (16, 64, 4)]  # the default, and blocks smaller than the shapes
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (3, 37, 200), (4, 72, 96)])
+def test_plain_weights_match_linear(device, config, dtype, m, n, k):
+    from paged.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float()).to(dtype)
+    got = gemv(x.to(device), w.to(device), bias=bias.to(device), config=config)
+    _close(got.cpu(), want, 2e-3 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("m, n, k, group_k", [(1, 48, 64, None), (2, 40, 200, None),
+                                              (4, 64, 256, 64), (1, 24, 256, 128)])  # fmt: skip
+def test_fp8_quantized_inside_equals_quantized_first(device, config, m, n, k, group_k):
+    from paged.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(m + n * k)
+    w = torch.randn(n, k, generator=g) * 0.1
+    x = torch.randn(m, k, generator=g) * torch.tensor([1.0, 1e-3, 30.0, 2.0])[:m, None]
+    bias = torch.randn(n, generator=g)
+    if group_k is None:
+        q, s = ref.quantize_fp8_rows(w)
+        group_k = k
+    else:
+        s = torch.rand(n, -(-k // group_k), generator=g) * 0.01 + 0.001
+        q = (w / ref.expand_groups(s, group_k, k)).clamp(-448, 448).to(ref.FP8)
+    want = ref.fp8_linear(x, q, s, group_k, bias)
+    dq, ds, db = q.to(device), s.to(device), bias.to(device)
+    fused = gemv(x.to(device), dq, ds, group_k, db, quantize_x=True, config=config).cpu()
+    _close(fused, want, 2e-3)
+    xq, xs = ref.quantize_fp8_rows(x)
+    first = gemv(xq.to(device), dq, ds, group_k, db, x_scale=xs.to(device),
+                 out_dtype=torch.float32, config=config).cpu()  # fmt: skip
+    torch.testing.assert_close(fused, first, rtol=1e-5, atol=1e-5)
+
+
+def test_block_scales_need_a_power_of_two_group(device):
+    from paged.kernels.gemv import gemv
+
+    q = torch.zeros(8, 96, dtype=ref.FP8, device=device)
+    with pytest.raises(ValueError, match="power of 2"):
+        gemv(torch.ones(1, 96, device=device), q, torch.ones(8, 2, device=device), 48)
+
+
+def test_no_rows(device):
+    from paged.kernels.gemv import gemv
+
+    assert gemv(torch.zeros(0, 32, device=device), torch.ones(8, 32, device=device)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("config", [(64, 256, 4, 2), (16, 32, 4, 1)])
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (2, 40, 96), (5, 80, 200), (16, 16, 96)])
+def test_fp8_tensor_core_gemv_matches_reference(device, config, m, n, k):
+    from paged.kernels.gemv import fp8_gemv_dot
+
+    g = torch.Generator().manual_seed(m * k + n)
+    q, s = ref.quantize_fp8_rows(torch.randn(n, k, generator=g) * 0.1)
+    x = torch.randn(m, k, generator=g) * (1 + 10 * torch.rand(m, 1, generator=g))
+    bias = torch.randn(n, generator=g)
+    want = ref.fp8_linear(x, q, s, k, bias)
+    got = fp8_gemv_dot(x.to(device), q.to(device), s.to(device), bias.to(device), config)
+    _close(got.cpu(), want, 2e-3)
