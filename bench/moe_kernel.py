@@ -2,12 +2,15 @@
 replaces (paged.model.ops.fused_moe), one Qwen3-30B-A3B layer's experts in bfloat16:
 
     python bench/moe_kernel.py [--tokens 1,8,64,256,2048] [--experts 128 --top-k 8
-                                --hidden 2048 --inter 768]
+                                --hidden 2048 --inter 768] [--sweep]
 
 Needs CUDA (exits cleanly without it). Per token count: median time of each (triton's
 do_bench, L2 flushed), the kernel inside a CUDA graph (it has no host sync, so it can be
 captured), the bytes of the experts the batch routes to (each read once) over the kernel's
 time, the relative error against the torch path. Results: bench/results/moe-kernel.md.
+`--sweep`: one token's two per-pair GEMVs (gate/up with SiLU, then down) under every
+(BLOCK_N, BLOCK_K, warps), in a CUDA graph cycling through 8 routings so the experts come from
+HBM; prints the best beside the default (paged.kernels.moe.gemv_config).
 """
 
 from __future__ import annotations
@@ -22,6 +25,44 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 
 
+def sweep(e: int, k: int, h: int, i: int) -> None:
+    import itertools
+
+    from triton.testing import do_bench_cudagraph
+
+    from paged.kernels.moe import _gemv, gemv_config
+
+    dt, dev = torch.bfloat16, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt, generator=gen) * 0.02
+    w2 = torch.randn(e, h, i, device=dev, dtype=dt, generator=gen) * 0.02
+    x = torch.randn(1, h, device=dev, dtype=dt, generator=gen)
+    routes = [torch.randperm(e, device=dev, generator=gen)[:k].contiguous() for _ in range(8)]
+    weights = torch.full((k,), 1.0 / k, device=dev, dtype=torch.float32)
+    act = torch.randn(k, i, device=dev, dtype=dt, generator=gen)
+    for name, gated, w, a, n, kk in (("gate_up+silu", True, w13, x, i, h),
+                                      ("down", False, w2, act, h, i)):  # fmt: skip
+        out = torch.empty(k, n, device=dev, dtype=dt)
+        nbytes = k * (2 if gated else 1) * n * kk * 2
+        best = []
+        for cfg in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (4, 8)):
+            if cfg[0] * cfg[1] * (2 if gated else 1) > 4096 * cfg[2]:
+                continue  # accumulators past 128 registers a thread
+
+            def run(cfg=cfg, a=a, w=w, out=out, gated=gated):
+                scale, top = (None, k) if gated else (weights, 1)
+                for ids in routes:
+                    _gemv(a, w, out, scale, ids, top, gated, cfg)
+
+            best.append((do_bench_cudagraph(run, rep=40, return_mode="median") / 8, cfg))
+        best.sort()
+        default = gemv_config(n, kk, gated)
+        d_us = dict((c, ms) for ms, c in best).get(default, float("nan")) * 1e3
+        top = ", ".join(f"{c} {ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s)"
+                        for ms, c in best[:4])  # fmt: skip
+        print(f"{name}: best {top}; default {default} {d_us:.1f} us", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,64,256,2048")
@@ -29,9 +70,13 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
+        return 0
+    if args.sweep:
+        sweep(args.experts, args.top_k, args.hidden, args.inter)
         return 0
     from common import write_results
     from triton.testing import do_bench, do_bench_cudagraph

@@ -99,25 +99,28 @@ def _pair_gemv(
     BLOCK_K: tl.constexpr,
 ):
     """Decode: one (token, choice) pair's BLOCK_N outputs of its expert, a matrix-vector
-    product (no sorting by expert). GATED: silu(gate) * up of the gate/up rows, fused."""
+    product (no sorting by expert). GATED: silu(gate) * up of the gate/up rows, fused.
+    [BLOCK_N, BLOCK_K] float32 accumulators summed once at the end (no cross-lane sum per
+    step)."""
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     row = pair // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b_base = b_ptr + expert * stride_be
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
         tile = b_base + cols[:, None] * stride_bn + ks[None, :]
         ok = col_ok[:, None] & k_ok[None, :]
-        acc += tl.sum(tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :], axis=1)
+        acc2 += tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :]
         if GATED:
-            up = tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32)
-            acc_up += tl.sum(up * a[None, :], axis=1)
+            up2 += tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32) * a[None, :]
+    acc = tl.sum(acc2, axis=1)
+    acc_up = tl.sum(up2, axis=1)
     dtype = c_ptr.dtype.element_ty
     if GATED:  # rounded where HF's bf16 activations round: gate, up, silu(gate), product
         gate = acc.to(dtype).to(tl.float32)
@@ -128,15 +131,21 @@ def _pair_gemv(
     tl.store(c_ptr + pair * stride_cm + cols, acc.to(dtype), mask=col_ok)
 
 
-def _gemv(a, b, c, weights, ids, top_k: int, gated: bool) -> None:
+def gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the per-pair GEMV: the best on an H200 for a
+    Qwen3-30B-A3B layer (bench/moe_kernel.py --sweep): many short programs of 8 warps."""
+    block_n = min(8 if gated else 16, max(1, triton.next_power_of_2(n)))
+    return block_n, min(128, max(16, triton.next_power_of_2(k))), 8
+
+
+def _gemv(a, b, c, weights, ids, top_k: int, gated: bool, config=None) -> None:
     n = c.shape[1]
     k = a.shape[1]
-    block_n = 16
-    block_k = min(512, max(16, triton.next_power_of_2(k)))
+    block_n, block_k, warps = config or gemv_config(n, k, gated)
     _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
         a, b, c, weights, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         TOP_K=top_k, GATED=gated, MUL_WEIGHT=weights is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
 
 
