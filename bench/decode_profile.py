@@ -35,6 +35,13 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="also run a generation under torch.cuda.set_sync_debug_mode('warn') and list the "
+        "host lines that synchronized with the device (where the host waits, the device may "
+        "idle)",
+    )
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -73,7 +80,34 @@ def main() -> None:
           f"({len(dev) / steps:.0f} device events a step)")  # fmt: skip
     for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"  {us / steps:8.1f} us  {calls / steps:6.1f} calls  {name}")
+    if args.sync_debug:
+        sync_sites(llm, prompts, params, steps)
 
 
-if __name__ == "__main__":
-    main()
+def sync_sites(llm: LLM, prompts, params, steps: int) -> None:
+    """The paged lines whose torch calls synchronized host and device during a generation,
+    by count per step (PyTorch's own detector: it flags copies and calls that wait)."""
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = [f for f in traceback.extract_stack() if "/paged/" in f.filename]
+        at = f"{stack[-1].filename.split('/paged/')[-1]}:{stack[-1].lineno}" if stack else "?"
+        sites[at] = sites.get(at, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored by catch_warnings
+        old = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    print(f"synchronizing calls per step ({len(sites)} sites):")
+    for at, n in sorted(sites.items(), key=lambda kv: -kv[1]):
+        print(f"  {n / steps:6.2f}  {at}")
