@@ -1,4 +1,6 @@
-"""Rounding float32 to float8_e4m3fn's values inside Triton kernels."""
+"""float8_e4m3fn inside Triton kernels: per-token scales and rounding to e4m3's values, the
+one arithmetic of every kernel that quantizes activations (fp8_gemm's quantize_fp8_rows, the
+decode GEMVs of gemv.py)."""
 
 import triton
 import triton.language as tl
@@ -15,3 +17,15 @@ def round_e4m3(v):
     t = tl.abs(v) / ulp
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round t to an integer
     return tl.where(v < 0, -r, r) * ulp
+
+
+@triton.jit
+def token_scale(amax):
+    """A row's per-token scale from its absmax: absmax / 448 (1e-12 for a zero row)."""
+    return tl.maximum(amax / 448.0, 1e-12)
+
+
+@triton.jit
+def quantize_e4m3(x, scale):
+    """x / scale saturated to +-448 and rounded to e4m3's values, in float32."""
+    return round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))

@@ -19,9 +19,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import gemv
-from paged.kernels.e4m3 import round_e4m3
-
-FP8_MAX = 448.0
+from paged.kernels.e4m3 import quantize_e4m3, token_scale
 
 
 @triton.jit
@@ -32,11 +30,11 @@ def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr)
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    scale = token_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = round_e4m3(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        q = quantize_e4m3(x, scale)
         tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
     tl.store(s_ptr + row, scale)
 
@@ -114,11 +112,6 @@ def _tiles(m: int, n: int, k: int, group_k: int, grouped: bool) -> tuple[int, in
     return block_m, block_n, block_k
 
 
-def check_group(group_k: int, grouped: bool) -> None:
-    if grouped and (group_k & (group_k - 1) or group_k < 16):
-        raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
-
-
 def fp8_gemm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -134,11 +127,11 @@ def fp8_gemm(
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    grouped = groups > 1
-    check_group(group_k, grouped)
-    b = bias if bias is not None else c
     if m <= gemv.MAX_ROWS:
         return gemv.gemv(a, weight, scale, group_k, bias, x_scale=a_scale, out_dtype=out_dtype)
+    grouped = groups > 1
+    gemv.check_group(group_k, grouped)
+    b = bias if bias is not None else c
     bm, bn, bk = _tiles(m, n, k, group_k, grouped)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_gemm[grid](

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged.kernels.e4m3 import round_e4m3
+from paged.kernels.e4m3 import quantize_e4m3, token_scale
 
 MAX_ROWS = 4
 
@@ -41,7 +41,7 @@ def _gemv_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(a))
-        x_scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        x_scale = token_scale(tl.max(amax, axis=0))
     if X_SCALED:  # x already quantized, its scale beside it
         x_scale = tl.load(xs_ptr + row)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -51,7 +51,7 @@ def _gemv_kernel(
         k_ok = ks < K
         a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         if QUANT_X:
-            a = round_e4m3(tl.minimum(tl.maximum(a / x_scale, -448.0), 448.0))
+            a = quantize_e4m3(a, x_scale)
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         if GROUPED:  # one weight scale per K step (BLOCK_K <= group_k)
@@ -67,6 +67,12 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def check_group(group_k: int, grouped: bool) -> None:
+    """Block scales step over K one group at a time: the group must be a power of 2 >= 16."""
+    if grouped and (group_k & (group_k - 1) or group_k < 16):
+        raise ValueError(f"fp8 block scales: group of {group_k} columns is not a power of 2 >= 16")
 
 
 def gemv_config(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
@@ -104,9 +110,8 @@ def gemv(
     groups = scale.shape[1] if scale is not None else 1
     grouped = groups > 1
     block_n, block_k, warps = config or gemv_config(n, k, weight.element_size())
+    check_group(group_k, grouped)
     if grouped:  # one weight scale per K step
-        if group_k & (group_k - 1) or group_k < 16:
-            raise ValueError(f"block scales: group of {group_k} columns is not a power of 2 >= 16")
         block_k = min(block_k, group_k)
     dummy = out
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
@@ -142,13 +147,13 @@ def _fp8_gemv_dot_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & (ks < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
-    x_scale = tl.maximum(tl.max(amax, axis=1) / 448.0, 1e-12)  # [ROWS]
+    x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        q = round_e4m3(tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -448.0), 448.0))
+        q = quantize_e4m3(a.to(tl.float32), x_scale[:, None])
         q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
