@@ -193,7 +193,7 @@ def device_gaps(llm: LLM, prompts: list[list[int]], kinds) -> None:
 
     for kind, params in kinds:
         with (
-            Timeline(llm.engine, ranges=True),
+            Timeline(llm.engine, ranges=True) as tl,
             profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
         ):
             t = time.perf_counter()
@@ -205,7 +205,7 @@ def device_gaps(llm: LLM, prompts: list[list[int]], kinds) -> None:
         if not dev:
             print(f"=== device gaps, {kind}: no device events (a CPU run)")
             continue
-        names = {Timeline.key(obj, name) for obj, name in Timeline(llm.engine).targets}
+        names = {Timeline.key(obj, name) for obj, name in tl.targets}
         host = [(e.time_range.start, e.time_range.end, e.name, e.thread) for e in events
                 if e.device_type.name == "CPU" and e.name in names]  # fmt: skip
         idle, by_next, by_host = device_waits(dev, host)
