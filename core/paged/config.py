@@ -96,7 +96,9 @@ class EngineConfig:
         "fraction of device memory for weights, activations and KV cache", default=0.9, type=float
     )
     num_kv_blocks: int | None = _opt("exact number of KV cache blocks (overrides sizes)", type=int)
-    max_num_seqs: int = _opt("most requests in one step", default=256, type=int)
+    max_num_seqs: int | None = _opt(
+        "most requests in one step (default: the platform's: 512 on GPUs, 256 on CPUs)", type=int
+    )
     max_num_batched_tokens: int | None = _opt(
         "most tokens in one step (default: the platform's: 8192 on GPUs, 2048 on CPUs)", type=int
     )
@@ -212,7 +214,7 @@ class EngineConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1 or (self.max_num_batched_tokens or 1) < 1:
+        if (self.max_num_seqs or 1) < 1 or (self.max_num_batched_tokens or 1) < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:

@@ -85,6 +85,8 @@ class Platform:
     overlap_steps: ClassVar[bool] = False
     # --max-num-batched-tokens when not given.
     default_max_num_batched_tokens: ClassVar[int] = 2048
+    # --max-num-seqs when not given.
+    default_max_num_seqs: ClassVar[int] = 256
     # Kernels compile on first use (Triton): warm them up at start-up (paged.engine.warmup).
     kernel_warmup: ClassVar[bool] = False
     # What this platform cannot run, by name; a model class lists what it needs in its

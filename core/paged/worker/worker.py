@@ -55,6 +55,8 @@ def resolve_config(config: EngineConfig, platform: Any, hf_config: Any) -> Engin
     changes: dict[str, Any] = dict(dtype=dtype, max_model_len=config.max_model_len or model_len)
     if config.max_num_batched_tokens is None:
         changes["max_num_batched_tokens"] = platform.default_max_num_batched_tokens
+    if config.max_num_seqs is None:
+        changes["max_num_seqs"] = platform.default_max_num_seqs
     if config.world_size > 1 and config.async_scheduling:
         raise ValueError("async_scheduling: not supported with more than one rank yet")
     if config.world_size > 1:
