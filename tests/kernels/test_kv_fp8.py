@@ -90,6 +90,34 @@ def test_decode_reads_fp8(fp8, dtype, num_splits, device):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("fp8", FP8)
+def test_bf16_query_reads_fp8_as_f16(fp8, device):
+    """The GPU default for a bf16 query (fp8_as_f16: the cache converted to fp16, q cast to
+    fp16 saturated), forced here so the interpreter runs it too; a huge q stays finite."""
+    gen = torch.Generator().manual_seed(3 + FP8.index(fp8))
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    seq_lens = [1, 16, 33, 150]
+    kv, scales, deq, table = fp8_cache(seq_lens, kv_heads, head_dim, block_size, fp8, gen,
+                                       device)  # fmt: skip
+    q = strided_q(len(seq_lens), heads, kv_heads, head_dim, torch.bfloat16, gen, device)
+    seq, scale = i32(seq_lens, device), head_dim**-0.5
+    ref = reference(q, deq[0], deq[1], [1] * len(seq_lens), seq_lens, table, scale)
+    for splits in (1, 3):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+        paged_attention_decode(q, kv[0], kv[1], out, seq, table, scale, max(seq_lens), splits,
+                               k_scale=scales[0], v_scale=scales[1], f16=True)  # fmt: skip
+        assert rel_err(out, ref) < TOL[torch.bfloat16]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=device)
+    qsl = i32(list(range(len(seq_lens) + 1)), device)  # one query per sequence: its last
+    paged_attention_varlen(q, kv[0], kv[1], out, qsl, seq, table, scale, 1, max(seq_lens),
+                           k_scale=scales[0], v_scale=scales[1], f16=True)  # fmt: skip
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    q[0, 0, 0] = 1e30  # beyond fp16: saturated, not inf (whose scores would be nan)
+    paged_attention_decode(q, kv[0], kv[1], out, seq, table, scale, max(seq_lens), 1,
+                           k_scale=scales[0], v_scale=scales[1], f16=True)  # fmt: skip
+    assert out.isfinite().all()
+
+
 def test_write_then_attend_fp8(device):
     """reshape_and_cache into an fp8 cache -> prefill -> decode through the same cache: the
     torch reference over the same quantization, and close to the unquantized result."""

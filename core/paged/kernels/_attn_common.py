@@ -139,6 +139,13 @@ def dot_flags(q: torch.Tensor) -> dict[str, bool]:
     return {"IEEE": q.dtype == torch.float32 or cpu, "UPCAST": cpu and q.dtype == torch.bfloat16}
 
 
+def fp8_as_f16(q: torch.Tensor, quant: bool) -> bool:
+    """Whether a bf16 query reads an fp8 cache as fp16: fp8 -> fp16 is one instruction on
+    NVIDIA sm89+, fp8 -> bf16 several, and the conversion bounds the kernel. q is cast to fp16
+    saturated (|q| <= 65504; fp16 keeps more of q's mantissa than bf16)."""
+    return quant and q.dtype == torch.bfloat16 and q.device.type != "cpu"
+
+
 _FP8 = {torch.float8_e4m3fn: (3, 2.0**-9), torch.float8_e5m2: (2, 2.0**-16)}  # mantissa, ulp
 
 

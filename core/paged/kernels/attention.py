@@ -19,6 +19,7 @@ from ._attn_common import (
     _softmax_step,
     check_attention_args,
     dot_flags,
+    fp8_as_f16,
     head_pad,
     kv_scale_args,
     score_args,
@@ -65,6 +66,7 @@ def _varlen_kernel(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,
+    F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -87,6 +89,8 @@ def _varlen_kernel(
     io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
     q_ptrs = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     q_pos = ctx + q_idx  # absolute position of each row's query token
 
     v_scale = 1.0
@@ -164,6 +168,7 @@ def paged_attention_varlen(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    f16: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention for a flat batch of variable-length query chunks; writes `out`.
     `window`: each query sees the keys at positions > its own - window (HF's sliding
@@ -201,6 +206,7 @@ def paged_attention_varlen(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, **dot_flags(q),
         HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
+        F16=fp8_as_f16(q, quant) if f16 is None else f16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

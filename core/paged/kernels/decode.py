@@ -20,6 +20,7 @@ from ._attn_common import (
     _softmax_step,
     check_attention_args,
     dot_flags,
+    fp8_as_f16,
     head_pad,
     kv_scale_args,
     score_args,
@@ -70,6 +71,7 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,
+    F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,6 +95,8 @@ def _split_kernel(
     b64 = b.to(tl.int64)
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     v_scale = 1.0
     if QUANT:  # fp8 cache: K's scale folds into the scores, V's into the output
@@ -196,6 +200,7 @@ def paged_attention_decode(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    f16: bool | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context (its last
     `window` positions with a window); writes `out`. `softcap`, and `k_scale`/`v_scale` of
@@ -238,6 +243,7 @@ def paged_attention_decode(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, SPLIT=num_splits > 1,
         **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
+        F16=fp8_as_f16(q, quant) if f16 is None else f16,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
