@@ -16,10 +16,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert (got.float() - want.float()).abs().max() <= tol * scale
 
 
-def test_quantize_rows_matches_reference(device):
+@pytest.mark.parametrize("k", [70, 16390])  # rows read once, rows longer than one block
+def test_quantize_rows_matches_reference(device, k):
     from paged.kernels.fp8_gemm import quantize_fp8_rows
 
-    x = torch.randn(5, 70) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 2.0])[:, None]
+    x = torch.randn(5, k) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 2.0])[:, None]
+    x[0, :8] = torch.tensor([448.0, -448.0, 2.0**-9, 3 * 2.0**-10, 17.0, -0.0, 1e-30, 5.5])
     q, s = quantize_fp8_rows(x.to(device))
     rq, rs = ref.quantize_fp8_rows(x)
     assert torch.allclose(s.cpu(), rs, rtol=1e-6)

@@ -14,7 +14,8 @@ def round_e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3's subnormals share 2^-6's step
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    t = tl.abs(v) / ulp
+    inv_ulp = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)  # exact: a power of two
+    t = tl.abs(v) * inv_ulp
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 adds round t to an integer
     return tl.where(v < 0, -r, r) * ulp
 

@@ -23,20 +23,31 @@ from paged.kernels.e4m3 import quantize_e4m3, token_scale
 
 
 @triton.jit
-def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+def _quant_rows(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                ONE_PASS: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + tl.arange(0, BLOCK)
+    if ONE_PASS:  # the row fits one block: read once, kept in registers
+        ks = tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = token_scale(tl.max(amax, axis=0))
-    for k0 in range(0, K, BLOCK):
-        ks = k0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        scale = token_scale(tl.max(tl.abs(x), axis=0))
         q = quantize_e4m3(x, scale)
         tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = token_scale(tl.max(amax, axis=0))
+        for k0 in range(0, K, BLOCK):
+            ks = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+            q = quantize_e4m3(x, scale)
+            tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
     tl.store(s_ptr + row, scale)
+
+
+_ONE_PASS_MAX = 16384  # longest row read once (32 fp32 registers a thread at 16 warps)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +56,11 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
-        block = min(1024, max(16, triton.next_power_of_2(k)))
-        _quant_rows[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+        one_pass = k <= _ONE_PASS_MAX
+        block = max(16, triton.next_power_of_2(k)) if one_pass else 1024
+        warps = min(16, max(4, block // 1024))
+        _quant_rows[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+                          num_warps=warps)  # fmt: skip
     return q, s
 
 
