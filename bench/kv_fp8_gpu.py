@@ -4,12 +4,13 @@
         [--engine-args "--kv-cache-memory 16GiB"] [--skip-kernels] [--skip-engine]
 
 1. Kernels (triton's do_bench_cudagraph, median, one layer): split-K decode attention over a
-   bf16 cache and over an fp8 (e4m3) cache at each context length, the batch sized so that
-   batch x context = --tokens (the same KV token count at every length: 256 x 1k, 32 x 8k,
-   8 x 32k); GB/s is the cache bytes read over the time. Also the cache write (reshape_and_cache
-   of 256 tokens) and one 2048-token prefill chunk over a context of that length (varlen), bf16
-   vs fp8. Max abs error of the fp8 outputs against the bf16 ones is printed (the cache's own
-   rounding, about 2^-4 relative per element, not a kernel error: the CPU tests check that).
+   bf16 cache and over an fp8 (e4m3) cache (read as fp16; also as bf16) at each context
+   length, the batch sized so that batch x context = --tokens (the same KV token count at
+   every length: 256 x 1k, 32 x 8k, 8 x 32k); GB/s is the cache bytes read over the time.
+   Also the cache write (reshape_and_cache of 256 tokens) and one 2048-token prefill chunk
+   over a context of that length (varlen), bf16 vs fp8. Max abs error of the fp8 outputs
+   against the bf16 ones is printed (the cache's own rounding, about 2^-4 relative per
+   element, not a kernel error: the CPU tests check that).
 2. Accuracy (any device; --accuracy-only runs just this, e.g. on CPU): the default model
    (SmolLM2-135M-Instruct) in --accuracy-dtype, --acc-prompts chat prompts, greedy
    --acc-tokens tokens with --kv-cache-dtype auto and fp8: the share of generated tokens equal
@@ -97,6 +98,15 @@ def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, i
             nbytes[dt] = 2 * batch * ctx * HKV * D * kv.element_size()
         err = (outs[FP8] - outs[torch.bfloat16]).abs().max().item()
         record("decode", f"B={batch} ctx={ctx} splits={splits}", times, nbytes, err)
+        # the fp8 cache converted to bf16 instead of fp16 (the default before 85335bc)
+        kv8 = base.to(FP8)
+        run = partial(paged_attention_decode, q, kv8[0], kv8[1], torch.empty_like(q), seq, table,
+                      D**-0.5, ctx, splits, ws, f16=False, **scales[FP8])  # fmt: skip
+        ms = do_bench_cudagraph(run, return_mode="median")
+        rows.append({"kernel": "decode-fp8-as-bf16", "shape": f"B={batch} ctx={ctx}",
+                     "fp8_us": ms * 1e3})  # fmt: skip
+        print(f"  fp8 read as bf16: {ms * 1e3:9.1f} us ({nbytes[FP8] / ms / 1e6:6.0f} GB/s)",
+              flush=True)  # fmt: skip
         for bn, warps, stages in tiles:  # fp8 launch tiles to try against the defaults
             kv8 = base.to(FP8)
             run = partial(paged_attention_decode, q, kv8[0], kv8[1], torch.empty_like(q), seq,
