@@ -66,9 +66,9 @@ def run(model: str, args, release: bool) -> dict:
     import paged.engine.core as core_mod
     from paged.engine.core import EngineCore
 
-    original = core_mod.kv_window
+    original = core_mod.KVCacheManager
     if not release:  # the engine keeps every block (the layers still attend in the window)
-        core_mod.kv_window = lambda *a, **k: None
+        core_mod.KVCacheManager = lambda *a, group_windows, **k: original(*a, **k)
     try:
         engine = EngineCore(
             EngineConfig(
@@ -82,7 +82,7 @@ def run(model: str, args, release: bool) -> dict:
             )
         )
     finally:
-        core_mod.kv_window = original
+        core_mod.KVCacheManager = original
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.num_prompts):

@@ -2,7 +2,7 @@
 fall out of the window as its sequences advance (the block table keeps the null block there),
 prefix hits need only the blocks within the window, and outputs stay token-identical to HF
 transformers in float32 with chunked prefill, prefix caching, overlapped steps and
-preemption. Models with a global layer keep every block."""
+preemption. Models with a global layer get a KV-cache group per window (test_kv_groups.py)."""
 
 from __future__ import annotations
 
@@ -146,15 +146,17 @@ def test_mixtral_window_releases_blocks(tmp_path):
         llm.engine.shutdown()
 
 
-def test_global_layer_keeps_every_block(tmp_path):
-    """Qwen2 with one global layer: no release (per-layer groups are not implemented)."""
+def test_global_layer_gets_its_own_group(tmp_path):
+    """Qwen2 with one global layer (max_window_layers): two KV-cache groups, only the sliding
+    one releases."""
     path = make_model("qwen2_sliding", str(tmp_path / "qwen2"))
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=128)
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate([{"prompt_token_ids": PROMPTS[2]}], params, use_tqdm=False)
         kv = llm.engine.kv
-        assert kv.window is None and kv.null_block is None and kv.num_window_released == 0
+        assert kv.window is None and kv.windows == [None, 8] and kv.num_window_released > 0
+        kv.check_invariants([])
     finally:
         llm.engine.shutdown()
 

@@ -29,7 +29,8 @@ class RequestView(Protocol):
     num_prompt_tokens: int
     num_computed_tokens: int  # tokens whose K/V are in the cache (before this step)
     num_pending: int  # trailing PLACEHOLDERs
-    block_ids: list[int]
+    block_ids: list[int]  # in the first KV-cache group
+    group_block_ids: list[list[int]]  # in every group (read where a model has several)
 
     @property
     def num_tokens(self) -> int: ...

@@ -22,7 +22,6 @@ from paged.engine.scheduler import Scheduler
 from paged.engine.warmup import warm_up
 from paged.executor import WorkerFailure, create_executor
 from paged.lora.request import LoRARequest
-from paged.model.kv_window import kv_window
 from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
 from paged.sampling.params import SamplingParams
@@ -77,10 +76,13 @@ class EngineCore:
             from paged.engine.faults import install
 
             install(self.runner, faults)
-        # Every layer windowed: blocks out of the window are released (docs/architecture.md).
-        window = kv_window(self.hf_config, self.runner.model.layers, self.max_model_len)
+        # A block list per KV-cache group (the runner's); windowed groups release the blocks
+        # out of their window (docs/architecture.md).
         self.kv = KVCacheManager(
-            self.num_blocks, config.block_size, config.enable_prefix_caching, window
+            self.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            group_windows=self.runner.kv_groups.windows,
         )
         self.scheduler = Scheduler(
             self.kv,

@@ -15,11 +15,18 @@ advances, and its block table keeps the reserved null block (`null_block`, never
 written) at their positions; the attention kernels never read positions outside the window.
 With prefix caching a block is released once registered (it stays cached, evictable), and a
 prefix hit needs only the blocks within the window of its first computed token.
+
+KV-cache groups (`group_windows`: models mixing windowed and global layers, model/kv_groups.py):
+a request holds a block list per group (`Request.group_block_ids`, all of the same length)
+from the one pool; each group releases by its own window (a global group keeps every block),
+caches its blocks under its own keys, and a prefix hit is the longest prefix every group can
+serve. One group (`window`) is the plain case above.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from paged.engine.request import Request
 
@@ -30,8 +37,11 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.hash: int | None = None
+        self.hash: int | tuple[int, int] | None = None  # its key in `cached`
         self.token_ids: tuple[int, ...] | None = None  # for collision checks
+
+
+Hit = list[Block | None]  # one group's blocks of a prefix hit (None: the null block)
 
 
 class KVCacheManager:
@@ -41,31 +51,42 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         window: int | None = None,
+        group_windows: Sequence[int | None] | None = None,
     ):
+        """`window`: one group whose layers all have it; `group_windows`: one window (or None,
+        global) per KV-cache group instead."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, Block] = {}  # hash -> block holding that full block
+        self.cached: dict[int | tuple[int, int], Block] = {}  # key -> block holding that block
         self.req_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self.req_registered: dict[str, int] = {}  # request id -> full blocks already cached
         self.copies: list[tuple[int, int]] = []  # (source, destination) for the next step
-        # Sliding window: block 0 is the null block, the placeholder for released positions.
-        self.window = window
+        self.windows: list[int | None] = list(group_windows or [window])
+        # Sliding windows: block 0 is the null block, the placeholder for released positions.
         self.null_block: int | None = None
-        if window is not None:
+        if any(w is not None for w in self.windows):
             self.null_block = 0
             del self.free[0]
-        self.req_released: dict[str, int] = {}  # request id -> leading positions released
-        self.reset_counters()
+        self.req_released: dict[str, list[int]] = {}  # request id -> per group, leading
+        self.reset_counters()  # positions released
+
+    @property
+    def window(self) -> int | None:
+        """The window when every group has one (the largest), else None."""
+        if any(w is None for w in self.windows):
+            return None
+        return max(self.windows)
 
     def reset_counters(self) -> None:
         """The counters /metrics reports, as at start (also after the start-up warm-up)."""
         self.queries = 0  # prefix-cache lookups (tokens) and hits (tokens), for metrics
         self.hits = 0
         self.num_window_released = 0  # blocks released out of a window (counter)
-        self.peak_seq_blocks = 0  # most blocks one sequence held at once
+        self.peak_seq_blocks = 0  # most blocks one sequence held at once (all groups)
+        self.peak_group_blocks = [0] * len(self.windows)  # the same, per group
 
     @property
     def num_usable_blocks(self) -> int:
@@ -83,6 +104,18 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _lists(self, req: Request) -> list[list[int]]:
+        """`req`'s block list of each group (empty lists for a request holding none)."""
+        if len(req.group_block_ids) != len(self.windows):
+            assert not any(req.group_block_ids), "a request's blocks are of another group count"
+            req.group_block_ids = [[] for _ in self.windows]
+        return req.group_block_ids
+
+    @staticmethod
+    def _key(group: int, h: int) -> int | tuple[int, int]:
+        """A block's prefix-cache key: the same tokens are another block in each group."""
+        return h if group == 0 else (group, h)
+
     # ---- prefix cache -------------------------------------------------------------
     def _hash_blocks(self, req: Request, upto: int) -> list[int]:
         """Chain hashes of the request's full blocks covering its first `upto` tokens."""
@@ -94,41 +127,65 @@ class KVCacheManager:
             hashes.append(parent)
         return hashes
 
-    def find_cached(self, req: Request) -> list[Block]:
-        """Cached blocks of the longest cached prefix; leaves at least one token to compute."""
+    def find_cached(self, req: Request) -> Hit:
+        """Cached blocks of the longest cached prefix (the first group's: `find_hit` gives
+        every group's); leaves at least one token to compute."""
+        return self.find_hit(req)[0]
+
+    def find_hit(self, req: Request) -> list[Hit]:
+        """Per group, the cached blocks of the longest cached prefix every group can serve:
+        a global group every block of it, a windowed group every block of the window of the
+        first computed token (None before it; the chain hash makes each hit imply the whole
+        prefix before it). All of one length; at least one token is left to compute."""
+        none: list[Hit] = [[] for _ in self.windows]
         pooling = req.params.pooling
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []  # prompt_logprobs need the logits of every prompt token
+            return none  # prompt_logprobs need the logits of every prompt token
         if pooling is not None and pooling.needs_every_token:
-            return []  # MEAN / CLS pooling: the hidden states of every prompt token
+            return none  # MEAN / CLS pooling: the hidden states of every prompt token
         hashes = self._hash_blocks(req, req.num_tokens - 1)
-        bs, hits = self.block_size, []
+        found = [self._lookup(req, g, hashes) for g in range(len(self.windows))]
+        servable = [self._servable(g, f) for g, f in enumerate(found)]
+        best = max(n for n in range(min(map(len, servable))) if all(s[n] for s in servable))
+        hit = []
+        for g, blocks in enumerate(found):
+            first = self._first_needed(g, best * self.block_size)
+            hit.append([None] * first + blocks[first:best])
+        return hit
+
+    def _lookup(self, req: Request, group: int, hashes: list[int]) -> Hit:
+        """The group's cached block (or None) of each hash; a global group stops at the first
+        miss (it needs every block before its hit)."""
+        bs, out = self.block_size, []
         for i, h in enumerate(hashes):
-            blk = self.cached.get(h)
+            blk = self.cached.get(self._key(group, h))
             if blk is None or blk.token_ids != tuple(req.token_ids[i * bs : (i + 1) * bs]):
-                if self.window is None:
+                if self.windows[group] is None:
                     break
                 blk = None
-            hits.append(blk)
-        if self.window is None:
-            return hits
-        return self._window_hit(hits)
+            out.append(blk)
+        return out
 
-    def _window_hit(self, found: list[Block | None]) -> list[Block | None]:
-        """The longest prefix whose first computed token finds every block of its window
-        cached (the chain hash makes each hit imply the whole prefix before it): None for
-        the positions before the window, the cached blocks from there on."""
-        best, run = 0, 0
+    def _servable(self, group: int, found: Hit) -> list[bool]:
+        """For n = 0..len(found): whether a hit of n blocks finds every block the group's
+        first computed token reads."""
+        ok, run = [True], 0
         for i, blk in enumerate(found):
             run = run + 1 if blk is not None else 0
-            if run >= i + 1 - self._first_needed((i + 1) * self.block_size):
-                best = i + 1
-        first = self._first_needed(best * self.block_size)
+            ok.append(run >= i + 1 - self._first_needed(group, (i + 1) * self.block_size))
+        return ok
+
+    def _window_hit(self, found: Hit) -> Hit:
+        """One group's hit among its `found` blocks (a windowed group alone)."""
+        ok = self._servable(0, found)
+        best = max(n for n in range(len(ok)) if ok[n])
+        first = self._first_needed(0, best * self.block_size)
         return [None] * first + found[first:best]
 
-    def _first_needed(self, pos: int) -> int:
-        """The first block a query at position `pos` (or later) can read in the window."""
-        return max(pos - self.window + 1, 0) // self.block_size
+    def _first_needed(self, group: int, pos: int) -> int:
+        """The first block a query at position `pos` (or later) can read in the group."""
+        window = self.windows[group]
+        return 0 if window is None else max(pos - window + 1, 0) // self.block_size
 
     def cache_full_blocks(self, req: Request, upto: int | None = None) -> None:
         """Register the request's full blocks among its first `upto` computed tokens (default:
@@ -141,15 +198,16 @@ class KVCacheManager:
         hashes = self._hash_blocks(req, upto)
         done = self.req_registered.get(req.request_id, 0)
         for i in range(done, full):
-            if req.block_ids[i] == self.null_block:  # released: it was registered before
-                continue
-            h, blk = hashes[i], self.blocks[req.block_ids[i]]
-            if blk.hash is not None:
-                continue
-            if h in self.cached:  # identical content already cached in another block
-                continue
-            blk.hash, blk.token_ids = h, tuple(req.token_ids[i * bs : (i + 1) * bs])
-            self.cached[h] = blk
+            for g, ids in enumerate(req.group_block_ids):
+                if ids[i] == self.null_block:  # released: it was registered before
+                    continue
+                key, blk = self._key(g, hashes[i]), self.blocks[ids[i]]
+                if blk.hash is not None:
+                    continue
+                if key in self.cached:  # identical content already cached in another block
+                    continue
+                blk.hash, blk.token_ids = key, tuple(req.token_ids[i * bs : (i + 1) * bs])
+                self.cached[key] = blk
         self.req_registered[req.request_id] = max(full, done)
 
     # ---- allocation ---------------------------------------------------------------
@@ -162,61 +220,83 @@ class KVCacheManager:
         blk.ref_cnt = 1
         return blk
 
-    def allocate(self, req: Request, total_tokens: int, cached: list[Block] | None = None) -> bool:
-        """Make `req` hold blocks for its first `total_tokens` tokens, taking the `cached`
-        prefix blocks first (None: a position before the window, the null block). Returns
-        False, changing nothing but the release of blocks out of the window, when the pool
-        is short."""
-        self._release_out_of_window(req)
-        cached = cached or []
-        reusable_free = sum(1 for b in cached if b is not None and b.ref_cnt == 0)
-        have = len(req.block_ids) + len(cached)
-        need = self.blocks_needed(total_tokens) - have
-        shared = self._shared_write_block(req, total_tokens)
-        if max(need, 0) + reusable_free + (shared is not None) > len(self.free):
+    def allocate(
+        self, req: Request, total_tokens: int, cached: list[Hit] | Hit | None = None
+    ) -> bool:
+        """Make `req` hold blocks for its first `total_tokens` tokens in every group, taking
+        the `cached` prefix blocks first (`find_hit`'s, or with one group `find_cached`'s;
+        None: a position before the window, the null block). Returns False, changing nothing
+        but the release of blocks out of the window, when the pool is short."""
+        lists = self._lists(req)
+        hits = self._per_group(cached)
+        for g in range(len(lists)):
+            self._release_out_of_window(req, g)
+        want, need, shared = self.blocks_needed(total_tokens), 0, []
+        for ids, hit in zip(lists, hits):
+            need += max(want - len(ids) - len(hit), 0)
+            need += sum(1 for b in hit if b is not None and b.ref_cnt == 0)  # off the free list
+            write = self._shared_write_block(ids, req.num_computed_tokens, total_tokens)
+            if write is not None:
+                shared.append((ids, *write))
+        if need + len(shared) > len(self.free):
             return False
-        if shared is not None:  # copy on write
-            i, blk = shared
+        for ids, i, blk in shared:  # copy on write
             new = self._take_free()
             blk.ref_cnt -= 1  # still held by the others: more than one held it
-            req.block_ids[i] = new.block_id
+            ids[i] = new.block_id
             self.copies.append((blk.block_id, new.block_id))
-        for blk in cached:
-            if blk is None:
-                req.block_ids.append(self.null_block)
-                continue
-            if blk.ref_cnt == 0:
-                del self.free[blk.block_id]
-            blk.ref_cnt += 1
-            req.block_ids.append(blk.block_id)
-        if cached and cached[0] is None:  # a hit past the window: its leading positions
-            lead = next((i for i, b in enumerate(cached) if b is not None), len(cached))
-            self.req_released[req.request_id] = lead
-        for _ in range(max(need, 0)):
-            req.block_ids.append(self._take_free().block_id)
-        if self.window is not None:
-            held = len(req.block_ids) - self.req_released.get(req.request_id, 0)
-            self.peak_seq_blocks = max(self.peak_seq_blocks, held)
+        for g, (ids, hit) in enumerate(zip(lists, hits)):
+            for blk in hit:
+                if blk is None:
+                    ids.append(self.null_block)
+                    continue
+                if blk.ref_cnt == 0:
+                    del self.free[blk.block_id]
+                blk.ref_cnt += 1
+                ids.append(blk.block_id)
+            if hit and hit[0] is None:  # a hit past the window: its leading positions
+                lead = next((i for i, b in enumerate(hit) if b is not None), len(hit))
+                self._released(req)[g] = lead
+            for _ in range(max(want - len(ids), 0)):
+                ids.append(self._take_free().block_id)
+        if self.null_block is not None:
+            released = self.req_released.get(req.request_id, [0] * len(lists))
+            held = [len(ids) - r for ids, r in zip(lists, released)]
+            self.peak_seq_blocks = max(self.peak_seq_blocks, sum(held))
+            self.peak_group_blocks = list(map(max, self.peak_group_blocks, held))
         return True
 
-    def _release_out_of_window(self, req: Request) -> None:
-        """Release the blocks before the window of `req`'s next query (positions below
-        num_computed_tokens - window + 1, read by no later query); with prefix caching only
-        those already registered, whose K/V have landed."""
-        if self.window is None:
+    def _per_group(self, cached: list[Hit] | Hit | None) -> list[Hit]:
+        if not cached:
+            return [[] for _ in self.windows]
+        if isinstance(cached[0], list):
+            return cached
+        assert len(self.windows) == 1, "one group's hit with several groups: use find_hit"
+        return [cached]
+
+    def _released(self, req: Request) -> list[int]:
+        return self.req_released.setdefault(req.request_id, [0] * len(self.windows))
+
+    def _release_out_of_window(self, req: Request, group: int) -> None:
+        """Release the group's blocks before the window of `req`'s next query (positions
+        below num_computed_tokens - window + 1, read by no later query); with prefix caching
+        only those already registered, whose K/V have landed."""
+        if self.windows[group] is None:
             return
-        limit = min(self._first_needed(req.num_computed_tokens), len(req.block_ids))
+        ids = req.group_block_ids[group]
+        limit = min(self._first_needed(group, req.num_computed_tokens), len(ids))
         if self.enable_prefix_caching:
             limit = min(limit, self.req_registered.get(req.request_id, 0))
-        start = self.req_released.get(req.request_id, 0)
+        released = self.req_released.get(req.request_id)
+        start = released[group] if released else 0
         for i in range(start, limit):
-            bid = req.block_ids[i]
+            bid = ids[i]
             if bid != self.null_block:
                 self._release(bid)
-                req.block_ids[i] = self.null_block
+                ids[i] = self.null_block
                 self.num_window_released += 1
         if limit > start:
-            self.req_released[req.request_id] = limit
+            self._released(req)[group] = limit
 
     def _release(self, bid: int) -> None:
         blk = self.blocks[bid]
@@ -225,25 +305,26 @@ class KVCacheManager:
         if blk.ref_cnt == 0:
             self.free[bid] = blk
 
-    def _shared_write_block(self, req: Request, total_tokens: int) -> tuple[int, Block] | None:
-        """(index, block) of the block `req` writes next, when other requests share it."""
-        i = req.num_computed_tokens // self.block_size
-        if req.num_computed_tokens >= total_tokens or i >= len(req.block_ids):
+    def _shared_write_block(
+        self, ids: list[int], computed: int, total_tokens: int
+    ) -> tuple[int, Block] | None:
+        """(index, block) of the block written next in `ids`, when other requests share it."""
+        i = computed // self.block_size
+        if computed >= total_tokens or i >= len(ids) or ids[i] == self.null_block:
             return None
-        if req.block_ids[i] == self.null_block:
-            return None
-        blk = self.blocks[req.block_ids[i]]
+        blk = self.blocks[ids[i]]
         return (i, blk) if blk.ref_cnt > 1 else None
 
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent` (which holds its computed prompt)."""
-        assert not child.block_ids, "a forked request holds no blocks of its own"
-        for bid in parent.block_ids:
-            if bid != self.null_block:
-                self.blocks[bid].ref_cnt += 1
-        child.block_ids = list(parent.block_ids)
+        assert not any(child.group_block_ids), "a forked request holds no blocks of its own"
+        for ids in parent.group_block_ids:
+            for bid in ids:
+                if bid != self.null_block:
+                    self.blocks[bid].ref_cnt += 1
+        child.group_block_ids = [list(ids) for ids in parent.group_block_ids]
         if parent.request_id in self.req_released:
-            self.req_released[child.request_id] = self.req_released[parent.request_id]
+            self.req_released[child.request_id] = list(self.req_released[parent.request_id])
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -252,10 +333,11 @@ class KVCacheManager:
     def free_request(self, req: Request) -> None:
         # Tail blocks first into the free list: they are the least likely to be shared,
         # so they are evicted before the prefix blocks other requests may want.
-        for bid in reversed(req.block_ids):
-            if bid != self.null_block:
-                self._release(bid)
-        req.block_ids = []
+        for bids in reversed(list(zip(*req.group_block_ids))):  # a position in every group
+            for bid in bids:
+                if bid != self.null_block:
+                    self._release(bid)
+        req.group_block_ids = [[] for _ in self.windows]
         self.req_hashes.pop(req.request_id, None)
         self.req_registered.pop(req.request_id, None)
         self.req_released.pop(req.request_id, None)
@@ -264,12 +346,13 @@ class KVCacheManager:
         """Give back the blocks past `req`'s first `num_tokens` tokens (speculative lookahead
         slots a step did not fill with accepted tokens; never registered, never shared)."""
         keep = self.blocks_needed(num_tokens)
-        for bid in reversed(req.block_ids[keep:]):
-            blk = self.blocks[bid]
-            blk.ref_cnt -= 1
-            assert blk.ref_cnt == 0 and blk.hash is None, f"block {bid} trimmed while shared"
-            self.free[bid] = blk
-        del req.block_ids[keep:]
+        for ids in req.group_block_ids:
+            for bid in reversed(ids[keep:]):
+                blk = self.blocks[bid]
+                blk.ref_cnt -= 1
+                assert blk.ref_cnt == 0 and blk.hash is None, f"block {bid} trimmed while shared"
+                self.free[bid] = blk
+            del ids[keep:]
 
     def reset_prefix_cache(self) -> None:
         for blk in self.blocks:
@@ -277,11 +360,14 @@ class KVCacheManager:
         self.cached.clear()
 
     def check_invariants(self, live: list[Request] = ()) -> None:
-        """Every block free or owned, refcounts match owners, none negative."""
+        """Every block free or owned, refcounts match owners (over every group), none
+        negative; a request's groups hold lists of one length."""
         owners = [0] * self.num_blocks
         for req in live:
-            for bid in req.block_ids:
-                owners[bid] += 1
+            assert len({len(ids) for ids in req.group_block_ids}) <= 1, f"{req}: group lengths"
+            for ids in req.group_block_ids:
+                for bid in ids:
+                    owners[bid] += 1
         if self.null_block is not None:  # never owned, never free, never cached
             null = self.blocks[self.null_block]
             assert null.ref_cnt == 0 and null.hash is None and null.block_id not in self.free

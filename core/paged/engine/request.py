@@ -45,7 +45,8 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being written)
         self.num_pending = 0  # trailing PLACEHOLDERs: tokens sampled by steps still in flight
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (first schedule)
-        self.block_ids: list[int] = []
+        # Its blocks in each KV-cache group (one list unless the model mixes windows).
+        self.group_block_ids: list[list[int]] = [[]]
         self.status = Status.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None
@@ -70,6 +71,15 @@ class Request:
         if skip >= 0:
             self.prompt_logprobs += entries[skip:]
             self.prompt_ranks += ranks[skip:]
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Its blocks in the first KV-cache group (the only one unless layers mix windows)."""
+        return self.group_block_ids[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.group_block_ids[0] = ids
 
     @property
     def lora_int_id(self) -> int:

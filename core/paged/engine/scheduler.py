@@ -124,10 +124,10 @@ class Scheduler:
                 continue
             if seats + 1 + len(req.followers) > self.max_num_seqs:
                 break
-            cached = self.kv.find_cached(req) if req.num_computed_tokens == 0 else []
-            start = len(cached) * self.kv.block_size
+            hit = self.kv.find_hit(req) if req.num_computed_tokens == 0 else None
+            start = len(hit[0]) * self.kv.block_size if hit else 0
             n = min(req.num_tokens - start, budget)
-            if not self.kv.allocate(req, start + n, cached):
+            if not self.kv.allocate(req, start + n, hit):  # counts every KV-cache group's
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:  # first admission: count prefix-cache hits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,6 +25,26 @@ class AttentionMetadata:
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     extra: Any = None  # whatever the backend's plan() attaches
+    # KV-cache groups 1.. of a model mixing windows (model/kv_groups.py): the same batch with
+    # each group's block tables and slot mapping; this metadata is group 0's.
+    group_views: list[AttentionMetadata] = field(default_factory=list)
+
+    def group(self, index: int) -> AttentionMetadata:
+        """The metadata a layer of KV-cache group `index` attends with."""
+        return self if index == 0 else self.group_views[index - 1]
+
+
+def plan_groups(
+    backend: AttentionBackend,
+    meta: AttentionMetadata,
+    plan: Callable[[AttentionMetadata], AttentionMetadata] | None = None,
+) -> AttentionMetadata:
+    """`backend.plan` (or `plan`) of the step's metadata and of each KV-cache group's view."""
+    plan = plan or backend.plan
+    views = [plan(view) for view in meta.group_views]
+    meta = plan(meta)
+    meta.group_views = views
+    return meta
 
 
 class AttentionBackend:

@@ -62,7 +62,7 @@ class GemmaAttention(Attention):
         q, k = ops.get("rotary_embedding")(positions, q, k, rope)
         if self.q_mult != 1.0:  # the layer's scale, where the backend takes none
             q = q * self.q_mult
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
+        out = self.attend(q, k, v, meta)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 

@@ -11,8 +11,8 @@ def kv_window(hf_config, layers: Iterable[nn.Module], max_model_len: int) -> int
     """The window (the largest) when every attention layer is windowed, as the config says
     (HF's sliding_window / layer_types) and as the built layers apply it (their attention
     options); None when any layer attends globally (Gemma 2/3, Qwen2 with max_window_layers:
-    all blocks are kept) or when the two disagree (a plugin model reading the config its
-    own way)."""
+    those get KV-cache groups, model/kv_groups.py) or when the two disagree (a plugin model
+    reading the config its own way)."""
     from paged.model.llama import sliding_window
 
     count = getattr(hf_config, "num_hidden_layers", None)

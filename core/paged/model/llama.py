@@ -127,6 +127,7 @@ class Attention(nn.Module):
         self.o_proj = linear(q, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.kv_group = 0  # its KV-cache group (model/kv_groups.py), set with the cache
 
     def forward(
         self,
@@ -141,8 +142,15 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.get("rotary_embedding")(positions, q, k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
+        out = self.attend(q, k, v, meta)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The backend's attention over this layer's cache, with its group's block tables."""
+        meta = meta.group(self.kv_group)
+        return self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
 
 
 class MLP(nn.Module):

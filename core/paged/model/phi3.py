@@ -38,7 +38,7 @@ class Phi3Attention(Attention):
                 positions, q[..., :r].contiguous(), k[..., :r].contiguous(), rope
             )
             q, k = torch.cat([qr, q[..., r:]], -1), torch.cat([kr, k[..., r:]], -1)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
+        out = self.attend(q, k, v, meta)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 

@@ -35,7 +35,7 @@ class Qwen3Attention(Attention):
         k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
         q, k = ops.get("rotary_embedding")(positions, q, k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta)
+        out = self.attend(q, k, v, meta)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
 

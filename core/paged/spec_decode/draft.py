@@ -60,8 +60,10 @@ def build_draft_runner(config: EngineConfig, platform, target_hf_config, target_
             f"speculative_config.model: the draft's context ({draft_len}) is shorter than "
             f"max_model_len ({config.max_model_len}): lower --max-model-len"
         )
+    # One KV-cache group: the draft reads the target's first group's block tables.
     runner = ModelRunner(draft_config, platform, hf, config.max_model_len,
-                         None if dummy else iter_weights(source, hf), source)  # fmt: skip
+                         None if dummy else iter_weights(source, hf), source,
+                         kv_grouping=False)  # fmt: skip
     log.info("draft model %s ready", spec.model)
     return runner
 

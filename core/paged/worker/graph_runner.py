@@ -13,11 +13,15 @@ fixed by static shapes (`graph_safe_varlen`) get these graphs.
 A platform subclasses `GraphStepRunner` and supplies the device's graph API through four
 small methods (`new_graph`, `graph_capture`, `graph_pool`, and `graphs_available` where
 the API may be missing); synchronization goes through `Platform.synchronize`.
+
+A model with several KV-cache groups (model/kv_groups.py) gets static block tables and slot
+mappings per group (`group_tables`, `group_slots`; the first group's are `tables`, `slots`).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from contextlib import AbstractContextManager
@@ -26,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from tqdm import tqdm
 
-from paged.model.attention import AttentionMetadata
+from paged.model.attention import AttentionMetadata, plan_groups
 from paged.worker.step_runner import StepRunner
 
 log = logging.getLogger("paged")
@@ -101,6 +105,9 @@ class GraphStepRunner(StepRunner):
         self.slots = torch.full((rows,), -1, dtype=torch.long, device=dev)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=dev)
+        more = range(self.num_kv_groups - 1)  # KV-cache groups after the first
+        self.group_slots = [self.slots, *(torch.full_like(self.slots, -1) for _ in more)]
+        self.group_tables = [self.tables, *(torch.zeros_like(self.tables) for _ in more)]
         self.qsl = torch.arange(top + 1, dtype=torch.int32, device=dev)
         if self.spec_q:  # verification graphs: Q rows per request
             q = self.spec_q
@@ -121,9 +128,7 @@ class GraphStepRunner(StepRunner):
             max_seq_len=self.config.max_model_len,
         )
         plan_for_graph = getattr(self.backend, "plan_for_graph", None)
-        if plan_for_graph is None:
-            return self.backend.plan(meta)
-        return plan_for_graph(meta)
+        return plan_groups(self.backend, self._group_views(meta, n, n), plan_for_graph)
 
     def spec_graph_meta(self, n: int) -> AttentionMetadata:
         """The metadata of a captured verification batch of `n` requests x Q rows."""
@@ -139,7 +144,29 @@ class GraphStepRunner(StepRunner):
             max_query_len=q,
             max_seq_len=self.config.max_model_len,
         )
-        return self.backend.plan(meta)
+        return plan_groups(self.backend, self._group_views(meta, n, n * q))
+
+    def _group_views(self, meta: AttentionMetadata, n: int, rows: int) -> AttentionMetadata:
+        """`meta` with a view of every other KV-cache group's static table and slots."""
+        meta.group_views = [
+            dataclasses.replace(
+                meta, block_tables=table[:n], slot_mapping=slots[:rows], group_views=[]
+            )
+            for table, slots in zip(self.group_tables[1:], self.group_slots[1:])
+        ]
+        return meta
+
+    def _copy_groups(self, meta: AttentionMetadata, rows: torch.Tensor | None = None) -> None:
+        """Each KV-cache group's block tables and slot mapping into its static buffers (the
+        slots at `rows`, or the first ones)."""
+        n, width = meta.num_reqs, meta.block_tables.shape[1]
+        views = [meta, *meta.group_views]
+        for view, table, slots in zip(views, self.group_tables, self.group_slots):
+            table[:n, :width].copy_(view.block_tables, non_blocking=True)
+            if rows is None:
+                slots[:n].copy_(view.slot_mapping, non_blocking=True)
+            else:
+                slots.index_copy_(0, rows, view.slot_mapping)
 
     def capture(self) -> None:
         if self.config.enforce_eager or not self.graphs_available():
@@ -201,12 +228,11 @@ class GraphStepRunner(StepRunner):
         graph, out, _ = self.graphs[size]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
-        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self._copy_groups(meta)
         if size > n:  # padding rows attend to nothing and write nowhere
-            self.slots[n:size].fill_(-1)
+            for slots in self.group_slots:
+                slots[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
         graph.replay()
         return out[:n]
@@ -239,13 +265,12 @@ class GraphStepRunner(StepRunner):
         t = size * q
         self.input_ids[:t].zero_()
         self.positions[:t].zero_()
-        self.slots[:t].fill_(-1)
+        for slots in self.group_slots:
+            slots[:t].fill_(-1)
         self.input_ids.index_copy_(0, rows, input_ids)
         self.positions.index_copy_(0, rows, positions)
-        self.slots.index_copy_(0, rows, meta.slot_mapping)
         self.seq_lens[:n].copy_(padded, non_blocking=True)
-        width = meta.block_tables.shape[1]
-        self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self._copy_groups(meta, rows)
         if size > n:  # padding requests attend to nothing
             self.seq_lens[n:size].fill_(0)
         graph.replay()

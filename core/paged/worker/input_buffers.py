@@ -8,6 +8,8 @@ middle chunks do not, and the host can run several chunks ahead of the device.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -26,18 +28,21 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
         pin: bool,
+        num_groups: int = 1,
     ) -> None:
+        """`num_groups`: KV-cache groups (model/kv_groups.py), a table and slots each."""
         self.block_size = block_size
         self.device = device
-        # int64: token ids | positions | slots | logits rows (sampling rows, then the prompt
-        #        rows of prompt_logprobs requests) | placeholder fills (index, row)
+        self.num_groups = g = num_groups
+        # int64: token ids | positions | slots per group | logits rows (sampling rows, then
+        #        the prompt rows of prompt_logprobs requests) | placeholder fills (index, row)
         #        | block copies (sources, destinations: at most one per request)
-        # int32: qsl | seq_lens | table
+        # int32: qsl | seq_lens | table per group
         self.sets = [
             (
-                torch.zeros(4 * max_tokens + 5 * max_reqs, dtype=torch.int64, pin_memory=pin),
+                torch.zeros((3 + g) * max_tokens + 5 * max_reqs, dtype=torch.int64, pin_memory=pin),
                 torch.zeros(
-                    2 * max_reqs + 1 + max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
+                    2 * max_reqs + 1 + g * max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
                 ),
             )
             for _ in range(2)
@@ -70,7 +75,7 @@ class InputBuffers:
         """Fill a set of host buffers with the step; returns its header (the sizes `load`
         and other ranks need: HEADER ints)."""
         self.take_set()
-        reqs, bs = batch.reqs, self.block_size
+        reqs, bs, g = batch.reqs, self.block_size, self.num_groups
         b = len(reqs)
         q = np.asarray(batch.num_new, dtype=np.int64)
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=b)
@@ -78,12 +83,13 @@ class InputBuffers:
         t = int(ends[-1])
         seq = starts + q
         positions = np.arange(t, dtype=np.int64) + np.repeat(starts - (ends - q), q)
-        width = max(len(r.block_ids) for r in reqs)
-        table = np.zeros((b, width), dtype=np.int32)
+        width = max(len(r.block_ids) for r in reqs)  # every group's lists are as long
+        table = np.zeros((g, b, width), dtype=np.int32)
         for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = r.block_ids
+            n = len(r.block_ids)
+            table[:, i, :n] = r.group_block_ids if g > 1 else r.block_ids
         req_idx = np.repeat(np.arange(b), q)
-        slots = table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = table[:, req_idx, positions // bs].astype(np.int64) * bs + positions % bs
         # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
         totals = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=b)
         pools = np.fromiter((r.params.pooling is not None for r in reqs), dtype=bool, count=b)
@@ -121,27 +127,29 @@ class InputBuffers:
                 # Only the newest token can be pending when a step is scheduled.
                 fills.append((off - 1, prev_rows[r.request_id]))
         n64[t : 2 * t] = positions
-        n64[2 * t : 3 * t] = slots
+        end = (2 + g) * t  # of the slots
+        n64[2 * t : end] = slots.ravel()
         nl = len(last)
-        n64[3 * t : 3 * t + nl] = last
+        n64[end : end + nl] = last
         if fills:
-            n64[3 * t + nl : 3 * t + nl + 2 * len(fills)] = np.asarray(fills).T.ravel()
-        copies, at = batch.block_copies, 3 * t + nl + 2 * len(fills)
+            n64[end + nl : end + nl + 2 * len(fills)] = np.asarray(fills).T.ravel()
+        copies, at = batch.block_copies, end + nl + 2 * len(fills)
         if copies:
             n64[at : at + 2 * len(copies)] = np.asarray(copies).T.ravel()
         n32 = self.i32.numpy()
         n32[0] = 0
         n32[1 : b + 1] = ends
         n32[b + 1 : 2 * b + 1] = seq
-        n32[2 * b + 1 : 2 * b + 1 + b * width] = table.ravel()
+        n32[2 * b + 1 : 2 * b + 1 + g * b * width] = table.ravel()
         head = [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
         return [*head, len(copies)]
 
     def views(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The used part of the current host buffers (int64, int32) for a step's header."""
         b, t, width, nl, nfill = header[:5]
-        ncopy = header[8]
-        return self.i64[: 3 * t + nl + 2 * nfill + 2 * ncopy], self.i32[: 2 * b + 1 + b * width]
+        ncopy, g = header[8], self.num_groups
+        i64 = self.i64[: (2 + g) * t + nl + 2 * nfill + 2 * ncopy]
+        return i64, self.i32[: 2 * b + 1 + g * b * width]
 
     def load(
         self, header: list[int]
@@ -152,23 +160,30 @@ class InputBuffers:
         ends = h32[1 : b + 1].numpy()
         d64, d32 = self.to_device(h64), self.to_device(h32)
         self.copied[self.turn ^ 1] = self.mark_copied()
+        g = self.num_groups
+        end = (2 + g) * t  # of the slots
+        tables, slots = d32[2 * b + 1 :].view(g, b, width), d64[2 * t : end].view(g, t)
         meta = AttentionMetadata(
             num_reqs=b,
             num_decodes=num_decodes,
             num_tokens=t,
             query_start_loc=d32[: b + 1],
             seq_lens=d32[b + 1 : 2 * b + 1],
-            block_tables=d32[2 * b + 1 :].view(b, width),
-            slot_mapping=d64[2 * t : 3 * t],
+            block_tables=tables[0],
+            slot_mapping=slots[0],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_lens_cpu=np.diff(ends, prepend=0).tolist(),
             seq_lens_cpu=h32[b + 1 : 2 * b + 1].tolist(),
         )
-        at = 3 * t + nl + 2 * nfill
-        fill = d64[3 * t + nl : at].view(2, -1) if nfill else None
+        meta.group_views = [
+            dataclasses.replace(meta, block_tables=tables[i], slot_mapping=slots[i], group_views=[])
+            for i in range(1, g)
+        ]
+        at = end + nl + 2 * nfill
+        fill = d64[end + nl : at].view(2, -1) if nfill else None
         self.block_copies = d64[at:].view(2, -1) if ncopy else None
-        return d64[:t], d64[t : 2 * t], meta, d64[3 * t : 3 * t + nl], fill
+        return d64[:t], d64[t : 2 * t], meta, d64[end : end + nl], fill
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)

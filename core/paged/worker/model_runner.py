@@ -18,6 +18,7 @@ from paged.distributed import (
 )
 from paged.model import ops
 from paged.model.attention import AttentionMetadata
+from paged.model.kv_groups import KVGroups, kv_groups, one_group
 from paged.model.kv_quant import KVScales
 from paged.model.llama import head_dim_of
 from paged.model.parallel import head_shard
@@ -44,7 +45,10 @@ class ModelRunner:
         max_model_len: int,
         weights=None,
         source=None,
+        kv_grouping: bool = True,
     ) -> None:
+        """`kv_grouping`: layers mixing windows get a block table per KV-cache group (off for a
+        draft model, which reads the target's first group's tables)."""
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -88,6 +92,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_groups = self._kv_groups(kv_grouping)
         self.inputs = InputBuffers(
             max(config.max_num_batched_tokens, config.max_num_seqs),
             config.max_num_seqs,
@@ -95,8 +100,10 @@ class ModelRunner:
             config.block_size,
             self.device,
             platform.pin_memory,
+            len(self.kv_groups),
         )
         self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
+        self.step_runner.num_kv_groups = len(self.kv_groups)
         # Overlap: launch step N+1 before step N's tokens reach the host (see EngineCore.step).
         self.overlap = bool(
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
@@ -143,19 +150,40 @@ class ModelRunner:
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------
+    def _kv_groups(self, allowed: bool) -> KVGroups:
+        """The model's KV-cache groups (model/kv_groups.py). One where checkpoint KV scales
+        differ per layer: a cache tensor shared by several layers has one scale."""
+        args = (self.hf_config, self.model.layers, self.max_model_len)
+        args += (getattr(self.model, "start_layer", 0),)
+        if self.kv_scales and self.cache_dtype != self.dtype:
+            allowed = False
+        return kv_groups(*args) if allowed else one_group(*args)
+
+    def _cache_places(self) -> list[tuple[int, int]]:
+        """(group, cache tensor) of each of this pipeline stage's layers."""
+        start = getattr(self.model, "start_layer", 0)
+        return [self.kv_groups.place(start + i) for i in range(len(self.model.layers))]
+
     def bytes_per_block(self) -> int:
+        """Bytes of one block id: in each of this stage's cache tensors (one per layer, or
+        shared by the i-th layer of every KV-cache group)."""
         shape = self.backend.kv_cache_shape(1)
         elem = torch.empty((), dtype=self.cache_dtype).element_size()  # fp8: 1 byte
         per_layer = torch.Size(shape).numel() * elem
-        return per_layer * len(self.model.layers)  # this pipeline stage's layers
+        return per_layer * len({t for _, t in self._cache_places()})
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend.kv_cache_shape(num_blocks)
         self.kv_caches = []
         self.backend.clear_kv_scales()
         cfg, h = self.hf_config, self.heads
-        for i, layer in enumerate(self.model.layers):
-            cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        tensors: dict[int, torch.Tensor] = {}
+        for i, (layer, (group, t)) in enumerate(zip(self.model.layers, self._cache_places())):
+            layer.self_attn.kv_group = group
+            if t in tensors:  # shared with the same place in another group
+                layer.self_attn.kv_cache = tensors[t]
+                continue
+            cache = tensors[t] = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             layer.self_attn.kv_cache = cache
             self.kv_caches.append(cache)
             if self.cache_dtype != self.dtype:
@@ -174,7 +202,7 @@ class ModelRunner:
             n = min(budget, self.max_model_len - 1)
             nblocks = -(-n // bs)
             blocks = list(range(next_block, next_block + nblocks))
-            req = ProfileRequest(f"profile-{len(batch)}", [0] * n, blocks)
+            req = ProfileRequest(f"profile-{len(batch)}", [0] * n, blocks, len(self.kv_groups))
             next_block += nblocks
             batch.reqs.append(req)
             batch.num_new.append(n)
@@ -412,7 +440,9 @@ def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list, 
 class ProfileRequest:
     """A stand-in request for the profiling forward (a RequestView)."""
 
-    def __init__(self, request_id: str, token_ids: list[int], block_ids: list[int]) -> None:
+    def __init__(
+        self, request_id: str, token_ids: list[int], block_ids: list[int], groups: int = 1
+    ) -> None:
         self.request_id = request_id
         self.params = SamplingParams(temperature=0)
         self.token_ids = token_ids
@@ -420,6 +450,7 @@ class ProfileRequest:
         self.num_computed_tokens = 0
         self.num_pending = 0
         self.block_ids = block_ids
+        self.group_block_ids = [block_ids] * groups  # a throwaway cache: the same in each
 
     num_tokens = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: 0)

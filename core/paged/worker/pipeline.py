@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from paged.distributed import isend_to_stage, parallel, recv_from_stage
-from paged.model.attention import AttentionMetadata
+from paged.model.attention import AttentionMetadata, plan_groups
 
 GROUPS_PER_STAGE = 2  # micro-batches per step by default: this many per stage
 # ...each of at least this many tokens. Every group reads the stage's weights again, so
@@ -72,6 +72,7 @@ def sub_metadata(meta: AttentionMetadata, r0: int, r1: int, t0: int, t1: int) ->
         max_seq_len=max(s),
         query_lens_cpu=q,
         seq_lens_cpu=s,
+        group_views=[sub_metadata(v, r0, r1, t0, t1) for v in meta.group_views],
     )
 
 
@@ -101,7 +102,7 @@ def pipeline_forward(
 
     def run(mb: MicroBatch, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
         ids, pos = input_ids[mb.tokens], positions[mb.tokens]
-        return model(ids, pos, backend.plan(mb.meta), carried)
+        return model(ids, pos, plan_groups(backend, mb.meta), carried)
 
     if p.is_first_stage:
         for mb in groups:  # compute group k+1 while the next stage works on group k

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged.model.attention import AttentionMetadata
+from paged.model.attention import AttentionMetadata, plan_groups
 
 if TYPE_CHECKING:
     from paged.config import EngineConfig
@@ -23,10 +23,11 @@ def block_dim(backend) -> int:
 @torch.inference_mode()
 def copy_kv_blocks(model: torch.nn.Module, backend, copies: torch.Tensor) -> None:
     """Copy blocks copies[0] -> copies[1] in the caches of `model`'s layers (any backend's
-    layout: the block dimension is found from its kv_cache_shape)."""
+    layout: the block dimension is found from its kv_cache_shape), once per cache tensor
+    (KV-cache groups share them)."""
     dim, src, dst = block_dim(backend), copies[0], copies[1]
-    for layer in model.layers:
-        cache = layer.self_attn.kv_cache
+    caches = {id(layer.self_attn.kv_cache): layer.self_attn.kv_cache for layer in model.layers}
+    for cache in caches.values():
         if cache is not None:
             if cache.dtype.itemsize == 1:  # fp8: index_copy_ has no float8 kernels; bytes do
                 cache = cache.view(torch.uint8)
@@ -34,6 +35,8 @@ def copy_kv_blocks(model: torch.nn.Module, backend, copies: torch.Tensor) -> Non
 
 
 class StepRunner:
+    num_kv_groups = 1  # KV-cache groups: attention metadata views (set by the model runner)
+
     def __init__(
         self, model: torch.nn.Module, config: EngineConfig, platform: Platform, backend
     ) -> None:
@@ -54,4 +57,4 @@ class StepRunner:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, self.backend.plan(meta))
+        return self.model(input_ids, positions, plan_groups(self.backend, meta))

@@ -24,7 +24,6 @@ from paged.distributed import (
     init_distributed,
     init_distributed_watched,
 )
-from paged.model.kv_window import kv_window, window_blocks_needed
 from paged.model.registry import check_supported
 from paged.plugins import select_platform
 from paged.worker.input_buffers import HEADER
@@ -130,11 +129,11 @@ class Worker:
             blocks = self.platform.kv_cache_budget(cfg) // per_block
         if cfg.world_size > 1:
             blocks = all_reduce_min_host(blocks)
-        need = -(-cfg.max_model_len // cfg.block_size)
-        window = kv_window(self.hf_config, self.runner.model.layers, cfg.max_model_len)
-        if window is not None:  # blocks out of the window are released, plus the null block
-            bounded = window_blocks_needed(window, cfg.block_size, cfg.max_num_batched_tokens)
-            need = min(need + 1, bounded)
+        # Every KV-cache group's blocks: a windowed group's bounded by its window (released
+        # out of it), plus the null block.
+        need = self.runner.kv_groups.blocks_needed(
+            cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens
+        )
         if blocks < need:
             raise ValueError(
                 f"the KV cache holds {blocks} blocks ({blocks * cfg.block_size} tokens), too few "
