@@ -1,16 +1,17 @@
-"""Speculative decoding: plain decoding vs n-gram proposals vs a draft model, same run, on a
-"repeat and edit this text" workload (greedy, so the outputs must be identical).
+"""Speculative decoding: plain decoding vs n-gram proposals vs a draft model or an EAGLE head,
+same run, on a "repeat and edit this text" workload (greedy, so the outputs must be identical).
 
-    python bench/spec_decode.py [--model PATH] [--dtype auto] [--draft PATH] [--k 4]
+    python bench/spec_decode.py [--model PATH] [--dtype auto] [--draft PATH] [--eagle PATH] [--k 4]
         [--batch 1] [--output-len 128] [--repeat 2] [--load-format auto|dummy]
 
 `--model`: the default model (SmolLM2-135M-Instruct GGUF) unless given; a named shape with
 --load-format dummy (random weights: n-gram acceptance then says little). `--draft`: a draft
 model with the target's tokenizer (left out: no draft row; the target itself is a valid draft
-for checking, though never faster). Each row: output tokens/s (best of --repeat passes, after
-a warm-up), the proposals' acceptance rate, tokens per verification (1 + accepted / drafts),
-and whether the greedy outputs equal plain decoding's. The floor (issue 15): n-gram at batch 1
-on the default model in bf16 >= 1.8x plain. Appends to bench/results/spec_decode.md.
+for checking, though never faster). `--eagle`: an EAGLE-1 head trained for the target (left
+out: no eagle row). Each row: output tokens/s (best of --repeat passes, after a warm-up), the
+proposals' acceptance rate, tokens per verification (1 + accepted / drafts), and whether the
+greedy outputs equal plain decoding's. The floor (issue 15): n-gram at batch 1 on the default
+model in bf16 >= 1.8x plain. Appends to bench/results/spec_decode.md.
 
 On a GPU: `python bench/spec_decode.py --dtype bfloat16` (the floor's run); the draft path's
 cost in real shapes: `--model llama-3.1-8b --load-format dummy --draft llama-3.2-1b` (random
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--draft", default=None, help="a draft model (same tokenizer)")
+    ap.add_argument("--eagle", default=None, help="an EAGLE-1 head for the target")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--output-len", type=int, default=128)
@@ -117,6 +119,8 @@ def main() -> None:
                       "prompt_lookup_max": 4, "prompt_lookup_min": 1}}  # fmt: skip
     if args.draft:
         runs["draft"] = {"model": args.draft, "num_speculative_tokens": args.k}
+    if args.eagle:
+        runs["eagle"] = {"method": "eagle", "model": args.eagle, "num_speculative_tokens": args.k}
     results = {name: run(args, spec) for name, spec in runs.items()}
     base = results["plain"]
     rows = []

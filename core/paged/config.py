@@ -145,7 +145,8 @@ class EngineConfig:
     )
     speculative_config: Any = _opt(
         'speculative decoding, JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or a draft model {"model": PATH, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}, a draft model {"model": PATH, '
+        '"num_speculative_tokens": 4} or an EAGLE head {"method": "eagle", "model": PATH, '
         '"num_speculative_tokens": 4} (docs/speculative.md)'
     )
     structured_outputs_backend: str = _opt(
@@ -326,9 +327,10 @@ def _check_speculative(c: EngineConfig) -> None:
     spec = c.speculative_config = SpeculativeConfig.parse(c.speculative_config)
     if spec is None:
         return
-    if spec.method == "draft_model" and c.world_size > 1:
+    if spec.method in ("draft_model", "eagle") and c.world_size > 1:
+        what = "an EAGLE head" if spec.method == "eagle" else "a draft model"
         raise ValueError(
-            "speculative_config: a draft model needs tensor_parallel_size and "
+            f"speculative_config: {what} needs tensor_parallel_size and "
             "pipeline_parallel_size 1 (n-gram proposals work with any)"
         )
 

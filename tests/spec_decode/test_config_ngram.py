@@ -29,7 +29,7 @@ def test_parse_vllm_spellings():
 @pytest.mark.parametrize(
     "value, field",
     [
-        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
         ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method"),
         ({"method": "mtp", "num_speculative_tokens": 1}, "method"),
         ({"method": "medusa2", "num_speculative_tokens": 1}, "method"),

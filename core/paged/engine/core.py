@@ -97,8 +97,8 @@ class EngineCore:
             from paged.spec_decode.decoder import SpecDecoder
 
             driver = getattr(self.executor, "driver", None)
-            draft = getattr(driver, "draft", None)  # the driver's draft runner
-            self.spec = SpecDecoder(config.speculative_config, draft)
+            draft = getattr(driver, "draft", None)  # the driver's draft runner or EAGLE head
+            self.spec = SpecDecoder(config.speculative_config, draft, self.runner)
             self.scheduler.lookahead = self.spec.lookahead
         # Masks (structured outputs, allowed ids, bad words): compiled off the step loop.
         self.structured = StructuredOutputs(

@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-# Methods that need a checkpoint's own heads (EAGLE, EAGLE-3, MTP, Medusa): not implemented.
-_HEADS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp")
+# Methods of heads from a checkpoint other than EAGLE-1's: not implemented.
+_HEADS = ("eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp")
+_METHODS = ("ngram", "draft_model", "eagle")
 _KEYS = {
     "method",
     "model",
@@ -22,12 +23,12 @@ _KEYS = {
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "eagle"
     num_speculative_tokens: int  # K: proposals verified per step and request
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up in the earlier tokens
     prompt_lookup_min: int = 1  # ngram: shortest
-    model: str | None = None  # draft_model: the draft's directory, .gguf file or Hub id
-    revision: str | None = None  # draft_model: Hub revision
+    model: str | None = None  # draft_model, eagle: the draft's or head's directory or Hub id
+    revision: str | None = None  # draft_model, eagle: Hub revision
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -58,11 +59,12 @@ class SpeculativeConfig:
         if method in _HEADS:
             raise ValueError(
                 f"speculative_config.method: {method!r} (draft heads from a checkpoint) is not "
-                "supported yet; use 'ngram' or a draft model ('draft_model' with 'model')"
+                "supported yet; use 'eagle' (an EAGLE-1 head), 'ngram' or a draft model "
+                "('draft_model' with 'model')"
             )
-        if method not in ("ngram", "draft_model"):
+        if method not in _METHODS:
             raise ValueError(
-                f"speculative_config.method: must be 'ngram' or 'draft_model', got {method!r}"
+                f"speculative_config.method: must be one of {', '.join(_METHODS)}, got {method!r}"
             )
         if value.get("draft_tensor_parallel_size", 1) != 1:
             raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 is supported")
@@ -82,5 +84,10 @@ class SpeculativeConfig:
             if model is not None:
                 raise ValueError("speculative_config.model: not used by method 'ngram'")
         elif not isinstance(model, str) or not model:
-            raise ValueError("speculative_config.model: the draft model's path or Hub id")
+            what = "EAGLE head's" if method == "eagle" else "draft model's"
+            raise ValueError(f"speculative_config.model: the {what} path or Hub id")
+        if method == "eagle":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if name in value:
+                    raise ValueError(f"speculative_config.{name}: not used by method 'eagle'")
         return cls(method, k, hi, lo, model, value.get("revision"))

@@ -1,6 +1,6 @@
 """The engine core's side of speculative decoding: which decodes may verify proposals, the
-proposals themselves (n-gram lookup on the host, or a draft model on the driver), and the
-acceptance counters for /metrics.
+proposals themselves (n-gram lookup on the host, a draft model or an EAGLE head on the
+driver), and the acceptance counters for /metrics.
 
 A step goes: the scheduler gives each eligible decode up to K lookahead slots (blocks and
 token budget); `propose` asks the proposer for that many tokens and turns the decode into a
@@ -38,14 +38,20 @@ def can_speculate(req: Request) -> bool:
 
 
 class SpecDecoder:
-    def __init__(self, spec: SpeculativeConfig, draft_runner=None) -> None:
+    def __init__(self, spec: SpeculativeConfig, draft_runner=None, target_runner=None) -> None:
+        """`draft_runner`: the driver's draft model or EAGLE head; `target_runner`: the
+        driver's (EAGLE reads its hidden states)."""
         self.spec = spec
         self.k = spec.num_speculative_tokens
-        self.draft = None
+        self.draft = None  # a proposer with a runner of its own (spec_decode/drafting.py)
         if spec.method == "draft_model":
             from paged.spec_decode.draft import DraftProposer
 
             self.draft = DraftProposer(draft_runner)
+        elif spec.method == "eagle":
+            from paged.spec_decode.eagle import EagleProposer
+
+            self.draft = EagleProposer(draft_runner, target_runner)
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -63,15 +69,17 @@ class SpecDecoder:
         Verifying requests move after the plain decodes (the batch stays decodes first)."""
         if self.draft is not None:
             self.draft.forget(batch.finished_ids)
-        if not batch.lookahead or batch.forks:  # a fork reads its leader's single row
-            return
-        items = [(r, batch.lookahead[r.request_id]) for r in batch.reqs
-                 if r.request_id in batch.lookahead]  # fmt: skip
-        if self.draft is not None:
-            props = self.draft.propose(items)
-        else:
+        items = []
+        if not batch.forks:  # a fork reads its leader's single row
+            items = [(r, batch.lookahead[r.request_id]) for r in batch.reqs
+                     if r.request_id in batch.lookahead]  # fmt: skip
+        if self.draft is not None:  # EAGLE's head also catches up on the other requests
+            props = self.draft.propose(batch, items)
+        elif items:
             lo, hi = self.spec.prompt_lookup_min, self.spec.prompt_lookup_max
             props = {r.request_id: ngram_propose(r.token_ids, k, lo, hi) for r, k in items}
+        else:
+            return
         batch.spec = {rid: p for rid, p in props.items() if p}
         if self.draft is not None:  # sampled proposals: the draft's distributions (q)
             batch.spec_probs = {

@@ -110,12 +110,18 @@ class ModelRunner:
         )
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
         self.pooler = Pooler()  # embedding requests' vectors (and their state across chunks)
+        # (batch, every row's final hidden state) after each step's forward: EAGLE reads them
+        self.hidden_tap: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
         # --seed: unseeded requests draw from torch's default generators, seeded here (as vLLM
         # seeds its workers), so the same requests in the same order sample the same tokens.
         torch.manual_seed(config.seed)
 
+    def architecture(self) -> type:
+        """The model's class (a speculative head's runner builds its own)."""
+        return model_class(self.hf_config)
+
     def _build_model(self, weights, source) -> torch.nn.Module:
-        cls = model_class(self.hf_config)
+        cls = self.architecture()
         method = quant_method(self.config.quantization, self.hf_config, dummy=weights is None)
         with torch.device("meta"), building(method):  # --quantization: quantized linears
             model = cls(self.hf_config, self.backend, self.max_model_len)
@@ -270,9 +276,12 @@ class ModelRunner:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
-        if Pooler.wanted(batch):  # embeddings: every row's hidden state (one pipeline stage)
-            every = self.step_runner.forward(input_ids, positions, meta)
-            self.pooled = self.pooler.pool(every, batch)
+        if Pooler.wanted(batch) or self.hidden_tap is not None:  # every row's hidden state
+            every = self.step_runner.forward(input_ids, positions, meta)  # (one pipeline stage)
+            if Pooler.wanted(batch):  # embeddings
+                self.pooled = self.pooler.pool(every, batch)
+            if self.hidden_tap is not None:
+                self.hidden_tap(batch, every)
             hidden = every[logits_idx] if logits_idx.numel() else None
         else:
             hidden = self.forward(input_ids, positions, meta, logits_idx)

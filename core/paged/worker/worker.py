@@ -106,12 +106,17 @@ class Worker:
         self.runner = ModelRunner(
             config, self.platform, self.hf_config, config.max_model_len, weights, self.source
         )
-        self.draft = None  # speculative decoding's draft model (the driver's, one rank)
+        self.draft = None  # speculative decoding's draft model or EAGLE head (the driver's)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             from paged.spec_decode.draft import build_draft_runner
 
             self.draft = build_draft_runner(config, self.platform, self.hf_config, self.source)
+        elif spec is not None and spec.method == "eagle":
+            from paged.spec_decode.eagle import build_eagle_runner
+
+            self.draft = build_eagle_runner(config, self.platform, self.hf_config,
+                                            self.runner.model)  # fmt: skip
         log.debug("rank %d: model ready in %.1f s", rank, time.perf_counter() - t0)
 
     def num_blocks(self) -> int:
