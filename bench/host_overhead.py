@@ -3,6 +3,9 @@ a 4096-token vocabulary) whose forward costs next to nothing on a CPU, so the wa
 step is the host's own work (scheduling, packing inputs, resolving, detokenizing).
 
     python bench/host_overhead.py [--batch 256] [--max-tokens 64] [--repeat 3]
+        [--prompt-len 16]
+
+--prompt-len sets how many KV blocks each request lists (the block tables packed per step).
 
 Prints the best pass's ms per step and output tokens/s, and the engine's parts per step
 (structured_gpu.Timeline); appends a line to bench/results/host-overhead.md.
@@ -22,12 +25,13 @@ from structured_gpu import Timeline, dummy_dir, run
 RESULTS = Path(__file__).resolve().parent / "results" / "host-overhead.md"
 
 
-def tiny_model(path: Path, vocab: int) -> str:
+def tiny_model(path: Path, vocab: int, max_len: int) -> str:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                      max_position_embeddings=4096, architectures=["LlamaForCausalLM"])  # fmt: skip
+                      max_position_embeddings=max_len,
+                      architectures=["LlamaForCausalLM"])  # fmt: skip
     return dummy_dir(cfg, path)
 
 
@@ -37,15 +41,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--prompt-len", type=int, default=16)
     args = ap.parse_args()
 
     from paged import LLM, SamplingParams
 
-    path = tiny_model(Path(tempfile.mkdtemp()) / "tiny", args.vocab)
+    max_len = max(512, args.prompt_len + args.max_tokens + 16)
+    path = tiny_model(Path(tempfile.mkdtemp()) / "tiny", args.vocab, max_len)
     llm = LLM(path, load_format="dummy", dtype="float32", enable_prefix_caching=False,
-              max_model_len=512, max_num_seqs=args.batch, async_scheduling=True)  # fmt: skip
+              max_model_len=max_len, max_num_seqs=args.batch, async_scheduling=True)  # fmt: skip
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, args.vocab) for _ in range(16)] for _ in range(args.batch)]
+    prompts = [[rng.randrange(100, args.vocab) for _ in range(args.prompt_len)]
+               for _ in range(args.batch)]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     run(llm, prompts, params)  # warm-up
     best = None
@@ -58,8 +65,9 @@ def main() -> None:
             best = (ms, rate, tl.report())
     ms, rate, report = best
     print(report)
+    prompt = f", prompts of {args.prompt_len}" if args.prompt_len != 16 else ""
     line = (f"| {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} | {git_rev()} | {machine()} | "
-            f"batch {args.batch} x {args.max_tokens} tokens | "
+            f"batch {args.batch} x {args.max_tokens} tokens{prompt} | "
             f"{ms:.2f} ms a step | {rate:,.0f} tok/s |")  # fmt: skip
     print(line)
     if not RESULTS.exists():

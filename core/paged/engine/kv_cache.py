@@ -109,6 +109,7 @@ class KVCacheManager:
         if len(req.group_block_ids) != len(self.windows):
             assert not any(req.group_block_ids), "a request's blocks are of another group count"
             req.group_block_ids = [[] for _ in self.windows]
+            req.block_version += 1
         return req.group_block_ids
 
     @staticmethod
@@ -245,6 +246,8 @@ class KVCacheManager:
             blk.ref_cnt -= 1  # still held by the others: more than one held it
             ids[i] = new.block_id
             self.copies.append((blk.block_id, new.block_id))
+        if shared:
+            req.block_version += 1  # a listed block replaced
         for g, (ids, hit) in enumerate(zip(lists, hits)):
             for blk in hit:
                 if blk is None:
@@ -297,6 +300,7 @@ class KVCacheManager:
                 self.num_window_released += 1
         if limit > start:
             self._released(req)[group] = limit
+            req.block_version += 1
 
     def _release(self, bid: int) -> None:
         blk = self.blocks[bid]
@@ -323,6 +327,7 @@ class KVCacheManager:
                 if bid != self.null_block:
                     self.blocks[bid].ref_cnt += 1
         child.group_block_ids = [list(ids) for ids in parent.group_block_ids]
+        child.block_version += 1
         if parent.request_id in self.req_released:
             self.req_released[child.request_id] = list(self.req_released[parent.request_id])
 
@@ -338,6 +343,7 @@ class KVCacheManager:
                 if bid != self.null_block:
                     self._release(bid)
         req.group_block_ids = [[] for _ in self.windows]
+        req.block_version += 1
         self.req_hashes.pop(req.request_id, None)
         self.req_registered.pop(req.request_id, None)
         self.req_released.pop(req.request_id, None)
@@ -346,6 +352,8 @@ class KVCacheManager:
         """Give back the blocks past `req`'s first `num_tokens` tokens (speculative lookahead
         slots a step did not fill with accepted tokens; never registered, never shared)."""
         keep = self.blocks_needed(num_tokens)
+        if len(req.block_ids) > keep:
+            req.block_version += 1
         for ids in req.group_block_ids:
             for bid in reversed(ids[keep:]):
                 blk = self.blocks[bid]

@@ -47,6 +47,9 @@ class Request:
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache (first schedule)
         # Its blocks in each KV-cache group (one list unless the model mixes windows).
         self.group_block_ids: list[list[int]] = [[]]
+        # Changes when KVCacheManager changes blocks already listed (not when it appends):
+        # the worker's input buffers keep block tables between steps (BlockRows).
+        self.block_version = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None

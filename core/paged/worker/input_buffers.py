@@ -53,6 +53,7 @@ class InputBuffers:
         # With prompt_logprobs rows: where the sampling rows and the prompt rows (each in the
         # batch's order) sit among the logits rows. Set by pack_host (the driver's).
         self.row_split: tuple[np.ndarray, np.ndarray] | None = None
+        self.rows = BlockRows(num_groups, 2 * max_reqs)
 
     def pack(
         self, batch: ScheduledBatch, prev_rows: dict[str, int] | None = None
@@ -84,10 +85,7 @@ class InputBuffers:
         seq = starts + q
         positions = np.arange(t, dtype=np.int64) + np.repeat(starts - (ends - q), q)
         width = max(len(r.block_ids) for r in reqs)  # every group's lists are as long
-        table = np.zeros((g, b, width), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            n = len(r.block_ids)
-            table[:, i, :n] = r.group_block_ids if g > 1 else r.block_ids
+        table = self.rows.table(reqs, width)
         req_idx = np.repeat(np.arange(b), q)
         slots = table[:, req_idx, positions // bs].astype(np.int64) * bs + positions % bs
         # Logits only where a request finishes its prompt or decodes (not mid-prompt chunks).
@@ -196,3 +194,54 @@ class InputBuffers:
         event = torch.Event(device=self.device)
         event.record()
         return event
+
+
+class BlockRows:
+    """Requests' block tables kept between steps, a row per request (and group): a step
+    converts only the block ids appended since the last, and a request's whole row again when
+    its `block_version` changed (blocks released, replaced or freed: engine/kv_cache.py) or
+    when it has none (a stand-in view: draft, profile). Rows of requests gone are reused once
+    the rows run out."""
+
+    def __init__(self, num_groups: int, capacity: int) -> None:
+        self.num_groups = num_groups
+        self.capacity = capacity
+        self.ids = np.zeros((num_groups, capacity, 16), dtype=np.int32)
+        self.slot: dict[str, int] = {}  # request id -> its row
+        self.synced: list[tuple[int, int | None]] = [(0, None)] * capacity  # (length, version)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    def table(self, reqs: list, width: int) -> np.ndarray:
+        """`[groups, len(reqs), width]` block tables of `reqs` (zeros past each one's)."""
+        if width > self.ids.shape[2]:  # longer rows: wider storage (doubling)
+            grown = np.zeros((*self.ids.shape[:2], max(width, 2 * self.ids.shape[2])), np.int32)
+            grown[:, :, : self.ids.shape[2]] = self.ids
+            self.ids = grown
+        rows = [self._sync(r, reqs) for r in reqs]
+        return self.ids[:, rows, :width]
+
+    def _sync(self, req, batch: list) -> int:
+        slot = self.slot.get(req.request_id)
+        if slot is None:
+            slot = self._take(batch)
+            self.slot[req.request_id] = slot
+        lists = req.group_block_ids if self.num_groups > 1 else [req.block_ids]
+        n, version = len(lists[0]), getattr(req, "block_version", None)
+        have, had = self.synced[slot]
+        start = have if version is not None and version == had and n >= have else 0
+        if start < n:
+            for g, ids in enumerate(lists):
+                self.ids[g, slot, start:n] = ids[start:] if start else ids
+        if n < have:
+            self.ids[:, slot, n:have] = 0
+        self.synced[slot] = (n, version)
+        return slot
+
+    def _take(self, batch: list) -> int:
+        if not self.free:  # every row taken: free those of requests not in this step
+            keep = {r.request_id for r in batch}
+            for rid in [rid for rid in self.slot if rid not in keep]:
+                self.free.append(self.slot.pop(rid))
+        slot = self.free.pop()
+        self.synced[slot] = (self.synced[slot][0], None)  # rewritten, the old tail zeroed
+        return slot
