@@ -146,8 +146,8 @@ class EngineConfig:
     speculative_config: Any = _opt(
         'speculative decoding, JSON (vLLM\'s): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}, a draft model {"model": PATH, '
-        '"num_speculative_tokens": 4} or an EAGLE head {"method": "eagle", "model": PATH, '
-        '"num_speculative_tokens": 4} (docs/speculative.md)'
+        '"num_speculative_tokens": 4} or an EAGLE head {"method": "eagle" | "eagle3", '
+        '"model": PATH, "num_speculative_tokens": 4} (docs/speculative.md)'
     )
     structured_outputs_backend: str = _opt(
         "grammar backend of structured outputs: xgrammar | auto (xgrammar) | llguidance "
@@ -327,8 +327,8 @@ def _check_speculative(c: EngineConfig) -> None:
     spec = c.speculative_config = SpeculativeConfig.parse(c.speculative_config)
     if spec is None:
         return
-    if spec.method in ("draft_model", "eagle") and c.world_size > 1:
-        what = "an EAGLE head" if spec.method == "eagle" else "a draft model"
+    if spec.method in ("draft_model", "eagle", "eagle3") and c.world_size > 1:
+        what = "a draft model" if spec.method == "draft_model" else "an EAGLE head"
         raise ValueError(
             f"speculative_config: {what} needs tensor_parallel_size and "
             "pipeline_parallel_size 1 (n-gram proposals work with any)"

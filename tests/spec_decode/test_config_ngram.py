@@ -30,7 +30,7 @@ def test_parse_vllm_spellings():
     "value, field",
     [
         ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
-        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "model"),
         ({"method": "mtp", "num_speculative_tokens": 1}, "method"),
         ({"method": "medusa2", "num_speculative_tokens": 1}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens"),

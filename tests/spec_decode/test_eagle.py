@@ -256,7 +256,7 @@ EAGLE = {"method": "eagle", "model": "x", "num_speculative_tokens": 2}
         ({"method": "eagle", "num_speculative_tokens": 2}, "model"),
         ({**EAGLE, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({**EAGLE, "top_k": 2}, "top_k"),
-        ({**EAGLE, "method": "eagle3"}, "method"),
+        ({**EAGLE, "method": "medusa"}, "method"),
         ({**EAGLE, "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({**EAGLE, "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
         ({**EAGLE, "quantization": "fp8"}, "quantization"),

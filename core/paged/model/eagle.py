@@ -52,6 +52,11 @@ class EagleLlamaHead(LlamaForCausalLM):
         """Share the target's embedding and LM head."""
         self._target = [target]
 
+    def from_target(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's hidden-state input from the target's final hidden states: a copy (a
+        graph's output buffer is overwritten by the next replay)."""
+        return hidden.clone()
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -246,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
         if self.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.cos_sin: torch.Tensor | None = None  # set by init_rope() on the real device
+        # EAGLE-3 (spec_decode/eagle.py): layers whose input the forward also returns
+        self.aux_layers: tuple[int, ...] = ()
 
     def init_rope(self, device: torch.device) -> None:
         self.cos_sin = rope_cache(self.config, self.max_model_len).to(device)
@@ -258,18 +260,24 @@ class LlamaForCausalLM(nn.Module):
         intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states on the last pipeline stage; (hidden, residual) for the
-        next stage elsewhere. Stages after the first start from `intermediate`."""
+        next stage elsewhere. Stages after the first start from `intermediate`. With
+        `aux_layers` (one stage): the final hidden states followed by the input of each of
+        those layers (its residual stream, as vLLM's aux_hidden_state_layers), [tokens,
+        (1 + len(aux_layers)) x hidden], one tensor so that a captured graph outputs it."""
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
         rope = ops.get("rotary_prepare")(positions, self.cos_sin, x.dtype)
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers, self.start_layer):
+            if i in self.aux_layers:  # a copy: the fused norms update the residual in place
+                aux.append(x.clone() if residual is None else x + residual)
             x, residual = layer(positions, x, residual, meta, rope)
         if not self.last:
             return x, residual
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat((x, *aux), dim=-1) if aux else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the whole vocabulary on the first tensor-parallel rank (None on

@@ -6,9 +6,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-# Methods of heads from a checkpoint other than EAGLE-1's: not implemented.
-_HEADS = ("eagle3", "mtp", "medusa", "mlp_speculator", "deepseek_mtp")
-_METHODS = ("ngram", "draft_model", "eagle")
+# Methods of heads from a checkpoint other than EAGLE-1's and EAGLE-3's: not implemented.
+_HEADS = ("mtp", "medusa", "mlp_speculator", "deepseek_mtp")
+_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+EAGLE_METHODS = ("eagle", "eagle3")
 _KEYS = {
     "method",
     "model",
@@ -23,12 +24,12 @@ _KEYS = {
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "eagle"
+    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3"
     num_speculative_tokens: int  # K: proposals verified per step and request
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up in the earlier tokens
     prompt_lookup_min: int = 1  # ngram: shortest
-    model: str | None = None  # draft_model, eagle: the draft's or head's directory or Hub id
-    revision: str | None = None  # draft_model, eagle: Hub revision
+    model: str | None = None  # draft_model, eagle(3): the draft's or head's directory or Hub id
+    revision: str | None = None  # draft_model, eagle(3): Hub revision
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -59,8 +60,8 @@ class SpeculativeConfig:
         if method in _HEADS:
             raise ValueError(
                 f"speculative_config.method: {method!r} (draft heads from a checkpoint) is not "
-                "supported yet; use 'eagle' (an EAGLE-1 head), 'ngram' or a draft model "
-                "('draft_model' with 'model')"
+                "supported yet; use 'eagle' / 'eagle3' (EAGLE-1 / EAGLE-3 heads), 'ngram' or a "
+                "draft model ('draft_model' with 'model')"
             )
         if method not in _METHODS:
             raise ValueError(
@@ -84,10 +85,10 @@ class SpeculativeConfig:
             if model is not None:
                 raise ValueError("speculative_config.model: not used by method 'ngram'")
         elif not isinstance(model, str) or not model:
-            what = "EAGLE head's" if method == "eagle" else "draft model's"
+            what = "EAGLE head's" if method in EAGLE_METHODS else "draft model's"
             raise ValueError(f"speculative_config.model: the {what} path or Hub id")
-        if method == "eagle":
+        if method in EAGLE_METHODS:
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if name in value:
-                    raise ValueError(f"speculative_config.{name}: not used by method 'eagle'")
+                    raise ValueError(f"speculative_config.{name}: not used by method {method!r}")
         return cls(method, k, hi, lo, model, value.get("revision"))

@@ -48,7 +48,7 @@ class SpecDecoder:
             from paged.spec_decode.draft import DraftProposer
 
             self.draft = DraftProposer(draft_runner)
-        elif spec.method == "eagle":
+        elif spec.method in ("eagle", "eagle3"):
             from paged.spec_decode.eagle import EagleProposer
 
             self.draft = EagleProposer(draft_runner, target_runner)

@@ -111,6 +111,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
         self.pooler = Pooler()  # embedding requests' vectors (and their state across chunks)
         # (batch, every row's final hidden state) after each step's forward: EAGLE reads them
+        # (the inputs of the model's aux_layers instead where it has them: EAGLE-3)
         self.hidden_tap: Callable[[ScheduledBatch, torch.Tensor], None] | None = None
         # --seed: unseeded requests draw from torch's default generators, seeded here (as vLLM
         # seeds its workers), so the same requests in the same order sample the same tokens.
@@ -278,10 +279,11 @@ class ModelRunner:
             self.step_runner.copy_blocks(self.inputs.block_copies)
         if Pooler.wanted(batch) or self.hidden_tap is not None:  # every row's hidden state
             every = self.step_runner.forward(input_ids, positions, meta)  # (one pipeline stage)
+            every, aux = self._split_aux(every)
             if Pooler.wanted(batch):  # embeddings
                 self.pooled = self.pooler.pool(every, batch)
             if self.hidden_tap is not None:
-                self.hidden_tap(batch, every)
+                self.hidden_tap(batch, every if aux is None else aux)
             hidden = every[logits_idx] if logits_idx.numel() else None
         else:
             hidden = self.forward(input_ids, positions, meta, logits_idx)
@@ -402,7 +404,7 @@ class ModelRunner:
         through them as micro-batches (worker/pipeline.py); the last sends the rows back."""
         p, nl = parallel(), logits_idx.numel()
         if p.pp_size == 1:
-            hidden = self.step_runner.forward(input_ids, positions, meta)
+            hidden, _ = self._split_aux(self.step_runner.forward(input_ids, positions, meta))
             if nl == 0:
                 return None
             return hidden if nl == hidden.shape[0] else hidden[logits_idx]
@@ -410,6 +412,14 @@ class ModelRunner:
         groups = 1 if self.lora is not None else self.config.pipeline_micro_batches
         return pipeline_forward(self.model, self.backend, input_ids, positions, meta, logits_idx,
                                 self.hf_config.hidden_size, self.dtype, groups)  # fmt: skip
+
+    def _split_aux(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final hidden states, the aux layers' inputs or None) of a forward's output: a model
+        with aux_layers (EAGLE-3's target) returns them concatenated."""
+        if not getattr(self.model, "aux_layers", ()):
+            return out, None
+        h = self.hf_config.hidden_size
+        return out[:, :h], out[:, h:]
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.platform.pin_memory)

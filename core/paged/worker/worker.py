@@ -112,7 +112,7 @@ class Worker:
             from paged.spec_decode.draft import build_draft_runner
 
             self.draft = build_draft_runner(config, self.platform, self.hf_config, self.source)
-        elif spec is not None and spec.method == "eagle":
+        elif spec is not None and spec.method in ("eagle", "eagle3"):
             from paged.spec_decode.eagle import build_eagle_runner
 
             self.draft = build_eagle_runner(config, self.platform, self.hf_config,
