@@ -22,6 +22,7 @@ from torch import nn
 
 from paged.model import ops
 from paged.model.attention import AttentionBackend, AttentionMetadata
+from paged.model.eagle import init_head
 from paged.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, sliding_window
 from paged.model.parallel import VocabParallelEmbedding
 from paged.quantization import linear
@@ -63,15 +64,7 @@ class Eagle3FirstLayer(DecoderLayer):
 
 class Eagle3LlamaHead(LlamaForCausalLM):
     def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.start_layer, self.end_layer = 0, cfg.num_hidden_layers
-        self.first = self.last = True
-        self.vocab_start, self.vocab_end = 0, cfg.vocab_size
-        self.tied = False
-        self.max_model_len = max_model_len
-        self.aux_layers = ()
-        self._target: list[nn.Module] = []  # in a list: not a submodule (its weights are not ours)
+        init_head(self, cfg, max_model_len)
         h = cfg.hidden_size
         self.draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
         self.embed_tokens = self.lm_head = None
@@ -87,7 +80,6 @@ class Eagle3LlamaHead(LlamaForCausalLM):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.cos_sin: torch.Tensor | None = None
         # draft id -> target id (None: the same ids), from the checkpoint's d2t
         self.draft_to_target: torch.Tensor | None = None
 
