@@ -2,7 +2,13 @@
 blocks that fall out of the window released vs kept, same engine settings, same run.
 
     python bench/sliding_window_kv.py [--num-prompts 64] [--input-len 16384] [--max-tokens 128]
-        [--kv-cache-memory 24GiB] [--window 4096]
+        [--kv-cache-memory 24GiB] [--window 4096] [--model mistral-7b|gemma-3-12b]
+
+--model gemma-3-12b takes the Gemma 3 12B shape instead (5 sliding-window layers of 1024 to
+1 global; --window is its own): "released" runs its six KV-cache groups (model/kv_groups.py:
+a block id costs 8 layers, the windowed groups release), "kept" one group of all 48 layers
+keeping every block, as before the groups. Its KV blocks then differ in bytes: compare the
+most sequences running, the preemptions and the tokens/s, not the block counts.
 
 Random weights (--load-format dummy) in the real shape; prompts are random token ids. "kept"
 runs the same model with the release switched off in the engine (the layers still attend
@@ -62,13 +68,37 @@ def shape_dir(path: Path, window: int, small: bool) -> str:
     return str(path)
 
 
+def gemma_dir(path: Path, small: bool) -> str:
+    from safetensors.torch import save_file
+
+    from paged.model.shapes import shape_config
+
+    cfg = shape_config("gemma-3-12b")
+    if small:
+        for key, value in {**SMALL, "num_hidden_layers": 6, "vocab_size": 32000}.items():
+            setattr(cfg, key, value)
+        cfg.layer_types = cfg.layer_types[:6]
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    save_file({}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def keep_every_block(hf_config, layers, max_model_len, start_layer=0):
+    """One global KV-cache group of every layer: blocks are never released (the layers
+    still attend within their windows)."""
+    from paged.model.kv_groups import KVGroups
+
+    return KVGroups((None,), (tuple(range(hf_config.num_hidden_layers)),))
+
+
 def run(model: str, args, release: bool) -> dict:
-    import paged.engine.core as core_mod
+    import paged.worker.model_runner as runner_mod
     from paged.engine.core import EngineCore
 
-    original = core_mod.KVCacheManager
-    if not release:  # the engine keeps every block (the layers still attend in the window)
-        core_mod.KVCacheManager = lambda *a, group_windows, **k: original(*a, **k)
+    originals = runner_mod.kv_groups, runner_mod.one_group
+    if not release:  # the engine keeps every block
+        runner_mod.kv_groups = runner_mod.one_group = keep_every_block
     try:
         engine = EngineCore(
             EngineConfig(
@@ -82,7 +112,7 @@ def run(model: str, args, release: bool) -> dict:
             )
         )
     finally:
-        core_mod.KVCacheManager = original
+        runner_mod.kv_groups, runner_mod.one_group = originals
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i in range(args.num_prompts):
@@ -120,9 +150,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="24GiB")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--small", action="store_true", help="a tiny shape: check the script (CPU)")
+    ap.add_argument("--model", choices=("mistral-7b", "gemma-3-12b"), default="mistral-7b")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = shape_dir(Path(tmp) / "mistral-7b", args.window, args.small)
+        if args.model == "gemma-3-12b":
+            model = gemma_dir(Path(tmp) / args.model, args.small)
+        else:
+            model = shape_dir(Path(tmp) / "mistral-7b", args.window, args.small)
         results = {mode: run(model, args, mode == "released") for mode in ("released", "kept")}
     print("| mode | KV blocks | peak blocks / seq | most running | preemptions | released "
           "| tok/s | wall s |")  # fmt: skip
@@ -139,8 +173,9 @@ def main() -> None:
     ratio = results["released"]["tok_s"] / results["kept"]["tok_s"]
     print(f"\nthroughput released / kept: {ratio:.2f}x")
     rows.append(("released / kept", f"{ratio:.2f}x output tokens/s"))
-    shape = "tiny" if args.small else "Mistral-7B"
-    title = (f"Sliding-window KV release, {shape} shape, window {args.window}, "
+    shape = "tiny" if args.small else {"mistral-7b": "Mistral-7B"}.get(args.model, "Gemma-3-12B")
+    window = 1024 if args.model == "gemma-3-12b" else args.window
+    title = (f"Sliding-window KV release, {shape} shape, window {window}, "
              f"{args.num_prompts} x {args.input_len}/{args.max_tokens}")  # fmt: skip
     if args.small:  # a check of the script, not a figure
         return
