@@ -65,6 +65,7 @@ class KVCacheManager:
         self.req_registered: dict[str, int] = {}  # request id -> full blocks already cached
         self.copies: list[tuple[int, int]] = []  # (source, destination) for the next step
         self.windows: list[int | None] = list(group_windows or [window])
+        self.windowed = [g for g, w in enumerate(self.windows) if w is not None]
         # Sliding windows: block 0 is the null block, the placeholder for released positions.
         self.null_block: int | None = None
         if any(w is not None for w in self.windows):
@@ -229,14 +230,22 @@ class KVCacheManager:
         None: a position before the window, the null block). Returns False, changing nothing
         but the release of blocks out of the window, when the pool is short."""
         lists = self._lists(req)
+        if self.windowed:
+            self._release_out_of_window(req)
+        want, computed = self.blocks_needed(total_tokens), req.num_computed_tokens
+        shared_write = self._shared_write_block
+        if (
+            not cached
+            and len(lists[0]) >= want
+            and not any(shared_write(ids, computed, total_tokens) for ids in lists)
+        ):
+            return True  # a decode within its last block: nothing to take or copy
         hits = self._per_group(cached)
-        for g in range(len(lists)):
-            self._release_out_of_window(req, g)
-        want, need, shared = self.blocks_needed(total_tokens), 0, []
+        need, shared = 0, []
         for ids, hit in zip(lists, hits):
             need += max(want - len(ids) - len(hit), 0)
             need += sum(1 for b in hit if b is not None and b.ref_cnt == 0)  # off the free list
-            write = self._shared_write_block(ids, req.num_computed_tokens, total_tokens)
+            write = self._shared_write_block(ids, computed, total_tokens)
             if write is not None:
                 shared.append((ids, *write))
         if need + len(shared) > len(self.free):
@@ -280,26 +289,29 @@ class KVCacheManager:
     def _released(self, req: Request) -> list[int]:
         return self.req_released.setdefault(req.request_id, [0] * len(self.windows))
 
-    def _release_out_of_window(self, req: Request, group: int) -> None:
-        """Release the group's blocks before the window of `req`'s next query (positions
-        below num_computed_tokens - window + 1, read by no later query); with prefix caching
-        only those already registered, whose K/V have landed."""
-        if self.windows[group] is None:
-            return
-        ids = req.group_block_ids[group]
-        limit = min(self._first_needed(group, req.num_computed_tokens), len(ids))
+    def _release_out_of_window(self, req: Request) -> None:
+        """Release, in each windowed group, the blocks before the window of `req`'s next
+        query (positions below num_computed_tokens - window + 1, read by no later query); with
+        prefix caching only those already registered, whose K/V have landed."""
+        computed, lists = req.num_computed_tokens, req.group_block_ids
+        cap = len(lists[0])  # every group's list is as long
         if self.enable_prefix_caching:
-            limit = min(limit, self.req_registered.get(req.request_id, 0))
+            cap = min(cap, self.req_registered.get(req.request_id, 0))
         released = self.req_released.get(req.request_id)
-        start = released[group] if released else 0
-        for i in range(start, limit):
-            bid = ids[i]
-            if bid != self.null_block:
-                self._release(bid)
-                ids[i] = self.null_block
-                self.num_window_released += 1
-        if limit > start:
-            self._released(req)[group] = limit
+        for g in self.windowed:
+            limit = min(max(computed - self.windows[g] + 1, 0) // self.block_size, cap)
+            start = released[g] if released else 0
+            if limit <= start:
+                continue
+            ids = lists[g]
+            for i in range(start, limit):
+                bid = ids[i]
+                if bid != self.null_block:
+                    self._release(bid)
+                    ids[i] = self.null_block
+                    self.num_window_released += 1
+            released = self._released(req)
+            released[g] = limit
             req.block_version += 1
 
     def _release(self, bid: int) -> None:
