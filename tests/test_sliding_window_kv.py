@@ -215,9 +215,9 @@ def test_hit_needs_every_block_of_its_window():
     kv = KVCacheManager(8, 4, window=6)
     x = object()
     # first needed block for a hit of L blocks: (4L - 5) // 4 -> L=5: 3, L=6: 4, L=7: 5
-    assert kv._window_hit([x, x, None, x, x, x, None]) == [None] * 4 + [x, x]
-    assert kv._window_hit([x, x, None]) == [x, x]
-    assert kv._window_hit([None, x, None, None]) == []
+    assert kv._common_hit([[x, x, None, x, x, x, None]]) == [[None] * 4 + [x, x]]
+    assert kv._common_hit([[x, x, None]]) == [[x, x]]
+    assert kv._common_hit([[None, x, None, None]]) == [[]]
 
 
 def test_without_prefix_caching_releases_at_once():

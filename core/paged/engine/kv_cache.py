@@ -146,7 +146,11 @@ class KVCacheManager:
         if pooling is not None and pooling.needs_every_token:
             return none  # MEAN / CLS pooling: the hidden states of every prompt token
         hashes = self._hash_blocks(req, req.num_tokens - 1)
-        found = [self._lookup(req, g, hashes) for g in range(len(self.windows))]
+        return self._common_hit([self._lookup(req, g, hashes) for g in range(len(self.windows))])
+
+    def _common_hit(self, found: list[Hit]) -> list[Hit]:
+        """Per group, its part of the longest prefix every group can serve, from each group's
+        `found` blocks (`_lookup`)."""
         servable = [self._servable(g, f) for g, f in enumerate(found)]
         best = max(n for n in range(min(map(len, servable))) if all(s[n] for s in servable))
         hit = []
@@ -176,13 +180,6 @@ class KVCacheManager:
             run = run + 1 if blk is not None else 0
             ok.append(run >= i + 1 - self._first_needed(group, (i + 1) * self.block_size))
         return ok
-
-    def _window_hit(self, found: Hit) -> Hit:
-        """One group's hit among its `found` blocks (a windowed group alone)."""
-        ok = self._servable(0, found)
-        best = max(n for n in range(len(ok)) if ok[n])
-        first = self._first_needed(0, best * self.block_size)
-        return [None] * first + found[first:best]
 
     def _first_needed(self, group: int, pos: int) -> int:
         """The first block a query at position `pos` (or later) can read in the group."""
@@ -299,7 +296,7 @@ class KVCacheManager:
             cap = min(cap, self.req_registered.get(req.request_id, 0))
         released = self.req_released.get(req.request_id)
         for g in self.windowed:
-            limit = min(max(computed - self.windows[g] + 1, 0) // self.block_size, cap)
+            limit = min(self._first_needed(g, computed), cap)
             start = released[g] if released else 0
             if limit <= start:
                 continue
