@@ -24,24 +24,30 @@ from paged.quantization import linear
 _UNUSED = ("embed_tokens.", "lm_head.", "norm.", "layers.0.input_layernorm.")
 
 
-def init_head(head: LlamaForCausalLM, cfg, max_model_len: int) -> None:
-    """What a speculative head shares of LlamaForCausalLM's fields (one stage, one rank,
-    no aux layers), without building the target's parts; `_target` is set by attach()."""
-    nn.Module.__init__(head)
-    head.config = cfg
-    head.start_layer, head.end_layer = 0, cfg.num_hidden_layers
-    head.first = head.last = True
-    head.vocab_start, head.vocab_end = 0, cfg.vocab_size
-    head.tied = False
-    head.max_model_len = max_model_len
-    head.aux_layers = ()
-    head._target = []  # in a list: not a submodule (its weights are not ours)
-    head.cos_sin = None
+class DraftHead(LlamaForCausalLM):
+    """What a speculative head shares of LlamaForCausalLM's fields (one stage, one rank, no
+    aux layers), without building the target's parts; the target is attached after loading."""
+
+    def __init__(self, cfg, max_model_len: int) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.start_layer, self.end_layer = 0, cfg.num_hidden_layers
+        self.first = self.last = True
+        self.vocab_start, self.vocab_end = 0, cfg.vocab_size
+        self.tied = False
+        self.max_model_len = max_model_len
+        self.aux_layers = ()
+        self._target: list[nn.Module] = []  # in a list: not a submodule (its weights are not ours)
+        self.cos_sin = None
+
+    def attach(self, target: nn.Module) -> None:
+        """Share the target's embedding and LM head (where the head has none of its own)."""
+        self._target = [target]
 
 
-class EagleLlamaHead(LlamaForCausalLM):
+class EagleLlamaHead(DraftHead):
     def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
-        init_head(self, cfg, max_model_len)
+        super().__init__(cfg, max_model_len)
         self.embed_tokens = self.lm_head = self.norm = None
         h = cfg.hidden_size
         self.fc = linear(2 * h, h, bias=True)  # a checkpoint without fc.bias loads zeros
@@ -54,10 +60,6 @@ class EagleLlamaHead(LlamaForCausalLM):
             for i in range(cfg.num_hidden_layers)
         )
         self.layers[0].input_layernorm = nn.Identity()
-
-    def attach(self, target: nn.Module) -> None:
-        """Share the target's embedding and LM head."""
-        self._target = [target]
 
     def from_target(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's hidden-state input from the target's final hidden states: a copy (a

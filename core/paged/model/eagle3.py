@@ -22,8 +22,8 @@ from torch import nn
 
 from paged.model import ops
 from paged.model.attention import AttentionBackend, AttentionMetadata
-from paged.model.eagle import init_head
-from paged.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, sliding_window
+from paged.model.eagle import DraftHead
+from paged.model.llama import DecoderLayer, RMSNorm, sliding_window
 from paged.model.parallel import VocabParallelEmbedding
 from paged.quantization import linear
 
@@ -62,9 +62,9 @@ class Eagle3FirstLayer(DecoderLayer):
         return self.mlp(x), residual
 
 
-class Eagle3LlamaHead(LlamaForCausalLM):
+class Eagle3LlamaHead(DraftHead):
     def __init__(self, cfg, backend: AttentionBackend, max_model_len: int) -> None:
-        init_head(self, cfg, max_model_len)
+        super().__init__(cfg, max_model_len)
         h = cfg.hidden_size
         self.draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
         self.embed_tokens = self.lm_head = None
@@ -82,10 +82,6 @@ class Eagle3LlamaHead(LlamaForCausalLM):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         # draft id -> target id (None: the same ids), from the checkpoint's d2t
         self.draft_to_target: torch.Tensor | None = None
-
-    def attach(self, target: nn.Module) -> None:
-        """Share the target's embedding and LM head where the checkpoint has none."""
-        self._target = [target]
 
     def init_rope(self, device: torch.device) -> None:
         super().init_rope(device)
