@@ -111,3 +111,7 @@ def sync_sites(llm: LLM, prompts, params, steps: int) -> None:
     print(f"synchronizing calls per step ({len(sites)} sites):")
     for at, n in sorted(sites.items(), key=lambda kv: -kv[1]):
         print(f"  {n / steps:6.2f}  {at}")
+
+
+if __name__ == "__main__":
+    main()
