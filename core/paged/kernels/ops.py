@@ -26,6 +26,24 @@ def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
     return rotary_embedding(pos, q, k, cache, q.shape[-1])
 
 
+def _gemma_rms_norm(x, weight, eps):
+    from paged.kernels.gemma import gemma_rms_norm
+
+    return gemma_rms_norm(x, weight, eps)
+
+
+def _gemma_add_rms_norm(x, residual, weight, eps):
+    from paged.kernels.gemma import gemma_add_rms_norm
+
+    return gemma_add_rms_norm(x, residual, weight, eps)
+
+
+def _gelu_and_mul(x, approximate="tanh"):
+    from paged.kernels.gemma import gelu_and_mul
+
+    return gelu_and_mul(x, approximate)
+
+
 def _fp8_linear(x, weight, scale, group_k, bias=None):
     from paged.kernels.fp8_gemm import fp8_linear
 
@@ -50,6 +68,9 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
         "silu_and_mul": kernels.silu_and_mul,
+        "gemma_rms_norm": _gemma_rms_norm,  # Gemma 2/3 (paged.kernels.gemma)
+        "gemma_add_rms_norm": _gemma_add_rms_norm,
+        "gelu_and_mul": _gelu_and_mul,
         "fused_moe": kernels.fused_moe,
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,

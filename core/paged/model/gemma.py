@@ -12,7 +12,6 @@ layers (rope_theta, maybe scaled): one rotary table per layer type.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged.distributed import tp_all_reduce
@@ -32,9 +31,13 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return ops.get("gemma_rms_norm")(x, self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x) in one fused op; the inputs are unchanged."""
+        return ops.get("gemma_add_rms_norm")(x, residual, self.weight, self.eps)
 
 
 class GemmaAttention(Attention):
@@ -75,8 +78,7 @@ class GemmaMLP(MLP):
         self.approximate = _GELU[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        h = F.gelu(gate, approximate=self.approximate) * up
+        h = ops.get("gelu_and_mul")(self.gate_up_proj(x), self.approximate)
         return tp_all_reduce(self.down_proj(h))
 
 
@@ -96,14 +98,15 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, meta, rope):
         """The stream's hidden state is x + residual (x alone in the first layer); returns the
-        MLP's output and the residual it is added to, as HF adds them."""
-        if residual is not None:
-            x = residual + x
-        h = self.post_attention_layernorm(
-            self.self_attn(positions, self.input_layernorm(x), meta, rope)
-        )
-        residual = x + h
-        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(residual)))
+        MLP's output and the residual it is added to, as HF adds them. Each add is fused with
+        the norm that follows it."""
+        if residual is None:
+            h = self.input_layernorm(x)
+        else:
+            h, x = self.input_layernorm.add_forward(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta, rope))
+        h, residual = self.pre_feedforward_layernorm.add_forward(h, x)
+        h = self.post_feedforward_layernorm(self.mlp(h))
         return h, residual
 
 
@@ -168,7 +171,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             x, residual = layer(positions, x, residual, meta, ropes[layer.layer_type])
         if not self.last:
             return x, residual
-        return self.norm(x if residual is None else residual + x)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden)

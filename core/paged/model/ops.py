@@ -27,6 +27,23 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (HF's arithmetic): x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32,
+    then cast to x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def gemma_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's residual add and the norm after it: s = residual + x (in the model dtype);
+    returns (gemma_rms_norm(s), s). Neither input is changed."""
+    s = residual + x
+    return gemma_rms_norm(s, weight, eps), s
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -55,6 +72,12 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """GeGLU: gelu(gate) * up over the halves of the last dim (Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
 
 
 def fused_moe(
@@ -150,6 +173,9 @@ _DEFAULTS: dict[str, Callable] = {
     "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
     "silu_and_mul": silu_and_mul,
+    "gemma_rms_norm": gemma_rms_norm,  # Gemma 2/3 (paged.model.gemma)
+    "gemma_add_rms_norm": gemma_add_rms_norm,
+    "gelu_and_mul": gelu_and_mul,
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
     "fp8_linear": fp8_linear,  # quantized linears (paged.quantization): fp8 weights
