@@ -8,9 +8,9 @@ Needs CUDA (exits cleanly without it). Per token count: median time of each (tri
 do_bench, L2 flushed), the kernel inside a CUDA graph (it has no host sync, so it can be
 captured), the bytes of the experts the batch routes to (each read once) over the kernel's
 time, the relative error against the torch path. Results: bench/results/moe-kernel.md.
-`--sweep`: one token's two per-pair GEMVs (gate/up with SiLU, then down) under every
-(BLOCK_N, BLOCK_K, warps), in a CUDA graph cycling through 8 routings so the experts come from
-HBM; prints the best beside the default (paged.kernels.moe.gemv_config).
+`--sweep`: one token's two decode GEMVs (gate/up with SiLU per pair, then down summed) under
+every (BLOCK_N, BLOCK_K, warps), in a CUDA graph cycling through 8 routings so the experts come from
+HBM; prints the best beside the default (paged.kernels.moe.gemv_config, down_sum_config).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def sweep(e: int, k: int, h: int, i: int) -> None:
 
     from triton.testing import do_bench_cudagraph
 
-    from paged.kernels.moe import _gemv, gemv_config
+    from paged.kernels.moe import _down_sum, _gate_up, down_sum_config, gemv_config
 
     dt, dev = torch.bfloat16, "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -40,23 +40,28 @@ def sweep(e: int, k: int, h: int, i: int) -> None:
     routes = [torch.randperm(e, device=dev, generator=gen)[:k].contiguous() for _ in range(8)]
     weights = torch.full((k,), 1.0 / k, device=dev, dtype=torch.float32)
     act = torch.randn(k, i, device=dev, dtype=dt, generator=gen)
-    for name, gated, w, a, n, kk in (("gate_up+silu", True, w13, x, i, h),
-                                      ("down", False, w2, act, h, i)):  # fmt: skip
-        out = torch.empty(k, n, device=dev, dtype=dt)
-        nbytes = k * (2 if gated else 1) * n * kk * 2
+    k_pad = 1 << (k - 1).bit_length()
+    kernels = (  # name, output, bytes read, launch(cfg, ids), default, configs
+        ("gate_up+silu", torch.empty(k, i, device=dev, dtype=dt), k * 2 * i * h * 2,
+         lambda cfg, ids, out: _gate_up(x, w13, out, ids, k, cfg), gemv_config(i, h),
+         [c for c in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (4, 8))
+          if c[0] * c[1] * 2 <= 4096 * c[2]]),
+        ("down, k experts summed", torch.empty(1, h, device=dev, dtype=dt), k * h * i * 2,
+         lambda cfg, ids, out: _down_sum(act, w2, out, weights, ids, k, cfg),
+         down_sum_config(h, i, k),
+         [c for c in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (4, 8))
+          if k_pad * c[0] * c[1] <= 4096 * c[2]]),
+    )  # fmt: skip
+    for name, out, nbytes, launch, default, configs in kernels:
         best = []
-        for cfg in itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (4, 8)):
-            if cfg[0] * cfg[1] * (2 if gated else 1) > 4096 * cfg[2]:
-                continue  # accumulators past 128 registers a thread
+        for cfg in configs:
 
-            def run(cfg=cfg, a=a, w=w, out=out, gated=gated):
-                scale, top = (None, k) if gated else (weights, 1)
+            def run(cfg=cfg, launch=launch, out=out):
                 for ids in routes:
-                    _gemv(a, w, out, scale, ids, top, gated, cfg)
+                    launch(cfg, ids, out)
 
             best.append((do_bench_cudagraph(run, rep=40, return_mode="median") / 8, cfg))
         best.sort()
-        default = gemv_config(n, kk, gated)
         d_us = dict((c, ms) for ms, c in best).get(default, float("nan")) * 1e3
         top = ", ".join(f"{c} {ms * 1e3:.1f} us ({nbytes / ms / 1e6:.0f} GB/s)"
                         for ms, c in best[:4])  # fmt: skip
@@ -82,8 +87,8 @@ def main() -> int:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from paged.kernels.moe import fused_moe
-    from paged.model.moe import route
     from paged.model.ops import fused_moe as torch_moe
+    from paged.model.ops import moe_route as route
 
     e, k, h, i = args.experts, args.top_k, args.hidden, args.inter
     dt, dev = torch.bfloat16, "cuda"

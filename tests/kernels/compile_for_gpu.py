@@ -111,7 +111,16 @@ def fused() -> None:
     rotary_embedding(t(4, dtype=torch.int64), qkv[:, : 8 * 64].view(4, 8, 64),
                      qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
                      64)  # fmt: skip
+    rotary_embedding(t(4, dtype=torch.int64), qkv[:, : 8 * 64].view(4, 8, 64),
+                     qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
+                     64, norm=(t(64), t(64), 1e-6))  # Qwen3's q/k norm fused  # fmt: skip
     silu_and_mul(t(4, 512))
+    from paged.kernels.gemma import gelu_and_mul, gemma_add_rms_norm, gemma_rms_norm
+
+    gemma_rms_norm(qkv[:, : 8 * 64].view(4, 8, 64), t(64), 1e-6)  # Gemma 3's q/k norms
+    gemma_add_rms_norm(x, t(4, 256), w, 1e-6)
+    for approximate in ("tanh", "none"):
+        gelu_and_mul(t(4, 512), approximate)
     from paged.kernels import apply_token_bitmask
 
     logits = t(6, 1000, dtype=torch.float32)
@@ -141,8 +150,11 @@ def quantized_linears() -> None:
 
 def moe_and_lora() -> None:
     from paged.kernels import fused_moe
+    from paged.kernels.moe_routing import moe_route
 
     experts, hidden, inter, top_k = 8, 256, 128, 2
+    moe_route(t(4, 128), 8, True, torch.bfloat16)  # Qwen3-MoE's routing
+    moe_route(t(4, 8), 2, False, None)  # Mixtral's
     for tokens in (1, 64):  # per-pair GEMVs and the blocked GEMM
         fused_moe(t(tokens, hidden), t(experts, 2 * inter, hidden), t(experts, hidden, inter),
                   t(tokens, top_k, dtype=torch.float32),

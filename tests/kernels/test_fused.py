@@ -80,6 +80,26 @@ def test_rotary_embedding(dtype, heads, kv_heads, head_dim, rot_dim, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rot_dim", [(8, 2, 64, 64), (4, 2, 32, 16)])
+def test_rotary_with_head_norm(dtype, heads, kv_heads, head_dim, rot_dim, device):
+    """Qwen3's q_norm / k_norm fused before the rotary (every dim rotated), and the two-pass
+    fallback for a partial rotary: both equal rms_norm per head, then the rotary."""
+    gen = torch.Generator().manual_seed(head_dim + rot_dim)
+    tokens = 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_w = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+    k_w = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(device, dtype)
+    positions = torch.randint(0, 100, (tokens,), generator=gen).to(device)
+    cache = cos_sin_cache(128, rot_dim).to(device)
+    expect_q = hf_rotary(positions, hf_rms_norm(q, q_w, 1e-6), cache, head_dim)
+    expect_k = hf_rotary(positions, hf_rms_norm(k, k_w, 1e-6), cache, head_dim)
+    got_q, got_k = rotary_embedding(positions, q, k, cache, head_dim, norm=(q_w, k_w, 1e-6))
+    assert close(got_q, expect_q, dtype) and close(got_k, expect_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [48, 2048])
 def test_silu_and_mul(dtype, inter, device):
     gen = torch.Generator().manual_seed(inter)

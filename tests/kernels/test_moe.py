@@ -6,8 +6,9 @@ import torch
 
 from paged.kernels import fused_moe
 from paged.kernels.moe import align
-from paged.model.moe import route
+from paged.kernels.moe_routing import moe_route
 from paged.model.ops import fused_moe as torch_moe
+from paged.model.ops import moe_route as route
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
@@ -49,3 +50,28 @@ def test_fused_moe_no_tokens(device):
     w13, w2 = torch.ones(2, 32, 32, device=device), torch.ones(2, 32, 16, device=device)
     ids = torch.zeros(0, 1, dtype=torch.long, device=device)
     assert fused_moe(x, w13, w2, torch.zeros(0, 1, device=device), ids).shape == (0, 32)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (5, 60, 3), (3, 128, 8), (2, 4, 4)])
+def test_routing_kernel_matches_torch(device, renormalize, dtype, tokens, experts, top_k):
+    """Softmax, top k by descending weight, renormalisation and cast in one kernel: the same
+    experts in the same order as torch.topk, the same weights (bf16 logits, as a bf16 gate
+    gives them; a non-power-of-two expert count)."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = (3 * torch.randn(tokens, experts, generator=g)).to(device, torch.bfloat16)
+    want_w, want_ids = route(logits, top_k, renormalize, dtype)
+    got_w, got_ids = moe_route(logits, top_k, renormalize, dtype)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == (dtype or torch.float32)
+    assert torch.equal(got_ids, want_ids)
+    tol = 1e-6 if dtype is None else 1e-2
+    assert torch.allclose(got_w.float(), want_w.float(), rtol=tol, atol=tol)
+
+
+def test_routing_kernel_no_tokens_and_nan(device):
+    w, ids = moe_route(torch.zeros(0, 8, device=device), 2, True, None)
+    assert w.shape == ids.shape == (0, 2)
+    bad = torch.full((1, 8), float("nan"), device=device)
+    _, ids = moe_route(bad, 2, True, None)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 8  # still experts that exist

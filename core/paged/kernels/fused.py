@@ -1,4 +1,5 @@
-"""Fused elementwise kernels: RMSNorm (+ residual add), rotary embedding, SiLU-and-mul."""
+"""Fused elementwise kernels: RMSNorm (+ residual add), rotary embedding (+ a per-head RMSNorm
+before it), SiLU-and-mul."""
 
 from __future__ import annotations
 
@@ -80,17 +81,29 @@ def _warps(n: int) -> int:
 
 
 @triton.jit
-def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, BLOCK_H: tl.constexpr,
-            HALF: tl.constexpr, HALF_PAD: tl.constexpr):  # fmt: skip
-    """Rotate the first 2*HALF dims of every head of token t in place (NeoX style)."""
+def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, w_ptr, eps, BLOCK_H: tl.constexpr,
+            HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    """Rotate the first 2*HALF dims of every head of token t in place (NeoX style). NORM:
+    first an RMSNorm of each head (2*HALF dims, all rotated) by weight w_ptr, as rms_norm
+    computes it (Qwen3's q_norm / k_norm)."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, HALF_PAD)
     mask = (h < n_heads)[:, None]
     if HALF_PAD != HALF:  # a rotary width that is not a power of two: mask the tail
         mask = mask & (c < HALF)[None, :]
     p1 = ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    if NORM:  # HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in float32
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        var = (tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF)
+        rstd = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+        x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(p1, o1.to(ptr.dtype.element_ty), mask=mask)
@@ -103,6 +116,9 @@ def _rotary_kernel(
     q_ptr,
     k_ptr,
     cache_ptr,
+    qw_ptr,
+    kw_ptr,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -114,6 +130,7 @@ def _rotary_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -121,8 +138,10 @@ def _rotary_kernel(
     ok = c < HALF
     cos = tl.load(cache_ptr + pos * stride_cache + c, mask=ok, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + c, mask=ok, other=0.0).to(tl.float32)
-    _rotate(q_ptr, stride_qt, stride_qh, t, n_q_heads, cos, sin, BLOCK_HQ, HALF, HALF_PAD)
-    _rotate(k_ptr, stride_kt, stride_kh, t, n_k_heads, cos, sin, BLOCK_HK, HALF, HALF_PAD)
+    _rotate(q_ptr, stride_qt, stride_qh, t, n_q_heads, cos, sin, qw_ptr, eps, BLOCK_HQ, HALF,
+            HALF_PAD, NORM)  # fmt: skip
+    _rotate(k_ptr, stride_kt, stride_kh, t, n_k_heads, cos, sin, kw_ptr, eps, BLOCK_HK, HALF,
+            HALF_PAD, NORM)  # fmt: skip
 
 
 def rotary_embedding(
@@ -131,24 +150,33 @@ def rotary_embedding(
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     head_dim: int,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place NeoX ("rotate_half") rotary on q `[T, Hq, D]`, k `[T, Hk, D]` (strided views).
 
     cos_sin_cache `[max_pos, rot_dim]`: cos in the first rot_dim/2 columns, sin in the rest;
-    rot_dim (even, <= head_dim) leading dims of each head are rotated.
+    rot_dim (even, <= head_dim) leading dims of each head are rotated. `norm` (q weight, k
+    weight, eps): RMSNorm each head first (Qwen3's q_norm / k_norm), in the same kernel when
+    every dim is rotated.
     """
     num_tokens = positions.shape[0]
     rot_dim = cos_sin_cache.shape[-1]
     assert q.shape[-1] == head_dim and k.shape[-1] == head_dim and rot_dim <= head_dim
     assert rot_dim >= 2 and rot_dim % 2 == 0, "rotary dim must be even"
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    if norm is not None and rot_dim != head_dim:  # the unrotated tail needs its own pass
+        q_w, k_w, eps = norm
+        q = rms_norm(q.reshape(-1, head_dim), q_w, eps).view(q.shape)
+        k = rms_norm(k.reshape(-1, head_dim), k_w, eps).view(k.shape)
+        norm = None
     if num_tokens:
+        q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)  # unread without NORM
         _rotary_kernel[(num_tokens,)](
-            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos_sin_cache.stride(0), q.shape[1], k.shape[1], HALF=rot_dim // 2,
+            positions, q, k, cos_sin_cache, q_w, k_w, eps, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), cos_sin_cache.stride(0), q.shape[1], k.shape[1], HALF=rot_dim // 2,
             HALF_PAD=triton.next_power_of_2(rot_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-            BLOCK_HK=triton.next_power_of_2(k.shape[1]), num_warps=4,
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]), NORM=norm is not None, num_warps=4,
         )  # fmt: skip
     return q, k
 

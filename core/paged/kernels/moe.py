@@ -6,8 +6,10 @@ BLOCK_M rows, and gives each block of BLOCK_M rows its expert; a program of `_gr
 multiplies one block's rows by one BLOCK_N slice of its expert's matrix. Every size is an upper
 bound known from T, k and E, so nothing waits for the device (CUDA graphs can capture it);
 blocks past the last expert's run exit at once. The k outputs of a token are summed last.
-Decode-sized steps (at most GEMV_MAX_PAIRS pairs) skip the sorting: a matrix-vector product per
-pair and BLOCK_N outputs, silu-and-mul fused into the first (fewer launches, more programs).
+Decode-sized steps (at most GEMV_MAX_PAIRS pairs) skip the sorting: matrix-vector products per
+pair and BLOCK_N outputs with silu-and-mul fused for gate/up, then one program per token and
+BLOCK_N outputs runs all k experts' down rows, weights them and sums them (three kernels in all
+with the routing: paged.kernels.moe_routing).
 """
 
 from __future__ import annotations
@@ -81,10 +83,9 @@ def _grouped_gemm(
 
 @triton.jit
 def _pair_gemv(
-    a_ptr,  # [rows of A, K]: x (row = pair // TOP_K) or the activations (row = pair)
-    b_ptr,  # [E, N or 2N, K]: the experts' weights (GATED: gate rows, then up rows)
+    a_ptr,  # [T, K]: x (row = pair // TOP_K)
+    b_ptr,  # [E, 2N, K]: the experts' gate rows, then up rows
     c_ptr,  # [T * top_k, N]: one output row per (token, choice) pair
-    w_ptr,  # [T * top_k]: routing weights (read when MUL_WEIGHT)
     ids_ptr,  # [T * top_k]: the expert of each pair
     N,
     K,
@@ -93,22 +94,19 @@ def _pair_gemv(
     stride_bn,
     stride_cm,
     TOP_K: tl.constexpr,
-    GATED: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Decode: one (token, choice) pair's BLOCK_N outputs of its expert, a matrix-vector
-    product (no sorting by expert). GATED: silu(gate) * up of the gate/up rows, fused.
-    [BLOCK_N, BLOCK_K] float32 accumulators summed once at the end (no cross-lane sum per
-    step)."""
+    """Decode: one (token, choice) pair's BLOCK_N outputs of silu(gate) * up of its expert,
+    matrix-vector products (no sorting by expert). [BLOCK_N, BLOCK_K] float32 accumulators
+    summed once at the end (no cross-lane sum per step)."""
     pair = tl.program_id(0)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     row = pair // TOP_K
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b_base = b_ptr + expert * stride_be
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gate2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -116,36 +114,88 @@ def _pair_gemv(
         a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
         tile = b_base + cols[:, None] * stride_bn + ks[None, :]
         ok = col_ok[:, None] & k_ok[None, :]
-        acc2 += tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :]
-        if GATED:
-            up2 += tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32) * a[None, :]
-    acc = tl.sum(acc2, axis=1)
-    acc_up = tl.sum(up2, axis=1)
+        gate2 += tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :]
+        up2 += tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32) * a[None, :]
     dtype = c_ptr.dtype.element_ty
-    if GATED:  # rounded where HF's bf16 activations round: gate, up, silu(gate), product
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = act * acc_up.to(dtype).to(tl.float32)
-    if MUL_WEIGHT:  # HF rounds the expert's output to the model dtype before weighting it
-        acc = acc.to(dtype).to(tl.float32) * tl.load(w_ptr + pair).to(tl.float32)
+    # rounded where HF's bf16 activations round: gate, up, silu(gate), product
+    gate = tl.sum(gate2, axis=1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    acc = act * tl.sum(up2, axis=1).to(dtype).to(tl.float32)
     tl.store(c_ptr + pair * stride_cm + cols, acc.to(dtype), mask=col_ok)
 
 
-def gemv_config(n: int, k: int, gated: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) of the per-pair GEMV: the best on an H200 for a
+@triton.jit
+def _down_gemv_sum(
+    a_ptr,  # [T * TOP_K, K]: the activations, one row per (token, choice) pair
+    b_ptr,  # [E, N, K]: the experts' down projections
+    c_ptr,  # [T, N]: per token, the sum over its k pairs
+    w_ptr,  # [T * TOP_K]: routing weights
+    ids_ptr,  # [T * TOP_K]: the expert of each pair
+    N,
+    K,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Decode: BLOCK_N outputs of one token's down projection, all its k experts in one
+    program ([K_PAD, BLOCK_N, BLOCK_K] tiles a step), each weighted, then summed: the k
+    outputs never leave the program (no [T, k, N] buffer and no separate sum)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_PAD)
+    j_ok = j < TOP_K
+    pairs = t * TOP_K + j
+    experts = tl.load(ids_ptr + pairs, mask=j_ok, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc3 = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    rows = b_ptr + experts[:, None, None] * stride_be + cols[None, :, None] * stride_bn
+    row_ok = j_ok[:, None, None] & col_ok[None, :, None]
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + pairs[:, None] * stride_am + ks[None, :],
+                    mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        b = tl.load(rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
+        acc3 += b.to(tl.float32) * a[:, None, :]
+    dtype = c_ptr.dtype.element_ty
+    w = tl.load(w_ptr + pairs, mask=j_ok, other=0.0).to(tl.float32)
+    # rounded as the per-pair path and HF round: the expert's output, then its weighted copy
+    y = (tl.sum(acc3, axis=2).to(dtype).to(tl.float32) * w[:, None]).to(dtype).to(tl.float32)
+    tl.store(c_ptr + t * stride_cm + cols, tl.sum(y, axis=0).to(dtype), mask=col_ok)
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the per-pair gate/up GEMV: the best on an H200 for a
     Qwen3-30B-A3B layer (bench/moe_kernel.py --sweep): many short programs of 8 warps."""
-    block_n = min(8 if gated else 16, max(1, triton.next_power_of_2(n)))
-    return block_n, min(128, max(16, triton.next_power_of_2(k))), 8
+    return min(8, triton.next_power_of_2(n)), min(128, max(16, triton.next_power_of_2(k))), 8
 
 
-def _gemv(a, b, c, weights, ids, top_k: int, gated: bool, config=None) -> None:
-    n = c.shape[1]
-    k = a.shape[1]
-    block_n, block_k, warps = config or gemv_config(n, k, gated)
-    _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
+def down_sum_config(n: int, k: int, top_k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of the summing down GEMV."""
+    return min(2, triton.next_power_of_2(n)), min(256, max(16, triton.next_power_of_2(k))), 8
+
+
+def _down_sum(a, b, c, weights, ids, top_k: int, config=None) -> None:
+    n, k = c.shape[1], a.shape[1]
+    block_n, block_k, warps = config or down_sum_config(n, k, top_k)
+    _down_gemv_sum[(c.shape[0], triton.cdiv(n, block_n))](
         a, b, c, weights, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, GATED=gated, MUL_WEIGHT=weights is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def _gate_up(a, b, c, ids, top_k: int, config=None) -> None:
+    n, k = c.shape[1], a.shape[1]
+    block_n, block_k, warps = config or gemv_config(n, k)
+    _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
+        a, b, c, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
 
 
@@ -210,10 +260,10 @@ def fused_moe(
     if n_pairs <= GEMV_MAX_PAIRS:  # decode: each pair reads its expert's weights once
         ids = topk_ids.reshape(-1).contiguous()
         act = x.new_empty(n_pairs, w13.shape[1] // 2)
-        _gemv(x, w13, act, None, ids, top_k, gated=True)
-        down = x.new_empty(n_pairs, hidden)
-        _gemv(act, w2, down, weights, ids, 1, gated=False)
-        return down.view(num_tokens, top_k, hidden).sum(dim=1)
+        _gate_up(x, w13, act, ids, top_k)
+        out = x.new_empty(num_tokens, hidden)
+        _down_sum(act, w2, out, weights, ids, top_k)
+        return out
     block_m = 16 if n_pairs <= 4 * w13.shape[0] else 64  # few rows per expert
     pairs, block_expert = align(topk_ids, w13.shape[0], block_m)
     gate_up = x.new_empty(n_pairs, w13.shape[1])

@@ -26,6 +26,13 @@ def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
     return rotary_embedding(pos, q, k, cache, q.shape[-1])
 
 
+def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps):
+    from paged.kernels import rotary_embedding
+
+    pos, cache = rope
+    return rotary_embedding(pos, q, k, cache, q.shape[-1], norm=(q_weight, k_weight, eps))
+
+
 def _gemma_rms_norm(x, weight, eps):
     from paged.kernels.gemma import gemma_rms_norm
 
@@ -42,6 +49,12 @@ def _gelu_and_mul(x, approximate="tanh"):
     from paged.kernels.gemma import gelu_and_mul
 
     return gelu_and_mul(x, approximate)
+
+
+def _moe_route(logits, top_k, renormalize, dtype):
+    from paged.kernels.moe_routing import moe_route
+
+    return moe_route(logits, top_k, renormalize, dtype)
 
 
 def _fp8_linear(x, weight, scale, group_k, bias=None):
@@ -67,10 +80,12 @@ def triton_fused_ops() -> dict[str, Callable]:
         "fused_add_rms_norm": kernels.fused_add_rms_norm,
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
+        "qk_norm_rotary": _qk_norm_rotary,
         "silu_and_mul": kernels.silu_and_mul,
         "gemma_rms_norm": _gemma_rms_norm,  # Gemma 2/3 (paged.kernels.gemma)
         "gemma_add_rms_norm": _gemma_add_rms_norm,
         "gelu_and_mul": _gelu_and_mul,
+        "moe_route": _moe_route,
         "fused_moe": kernels.fused_moe,
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,

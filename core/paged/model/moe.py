@@ -34,19 +34,6 @@ _STACKED = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_
 _PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
 
 
-def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k], expert ids [T, k]): softmax in float32 over the router logits, the top
-    k, optionally renormalised to sum to one, cast to `dtype` (None: kept in float32, as HF's
-    Mixtral does)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return (weights if dtype is None else weights.to(dtype)), ids
-
-
 class SparseMoE(nn.Module):
     """A layer's router (`gate`) and its experts; output summed over tensor-parallel ranks."""
 
@@ -73,7 +60,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype if self.weights_in_model_dtype else None
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, dtype)
+        weights, ids = ops.get("moe_route")(self.gate(x), self.top_k, self.renormalize, dtype)
         return tp_all_reduce(ops.get("fused_moe")(x, self.w13, self.w2, weights, ids))
 
     # ---- weights ----------------------------------------------------------------------

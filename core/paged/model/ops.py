@@ -69,6 +69,23 @@ def rotary_embedding(
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    rope,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RMSNorm over each query and key head (Qwen3's q_norm / k_norm), then the rotary
+    embedding: the platform's rms_norm and rotary_embedding ops, one after the other."""
+    d = q.shape[-1]
+    q = get("rms_norm")(q.reshape(-1, d), q_weight, eps).view(q.shape)
+    k = get("rms_norm")(k.reshape(-1, d), k_weight, eps).view(k.shape)
+    return get("rotary_embedding")(positions, q, k, rope)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -78,6 +95,19 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """GeGLU: gelu(gate) * up over the halves of the last dim (Gemma's MLP)."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate=approximate) * up
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixture-of-experts routing: (weights [T, k], expert ids [T, k]) from router logits
+    [T, E]: softmax in float32, the top k, optionally renormalised to sum to one, cast to
+    `dtype` (None: kept in float32, as HF's Mixtral does)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if dtype is None else weights.to(dtype)), ids
 
 
 def fused_moe(
@@ -172,11 +202,13 @@ _DEFAULTS: dict[str, Callable] = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
+    "qk_norm_rotary": qk_norm_rotary,  # Qwen3 (paged.model.qwen3)
     "silu_and_mul": silu_and_mul,
     "gemma_rms_norm": gemma_rms_norm,  # Gemma 2/3 (paged.model.gemma)
     "gemma_add_rms_norm": gemma_add_rms_norm,
     "gelu_and_mul": gelu_and_mul,
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
+    "moe_route": moe_route,  # softmax top-k routing (paged.model.moe)
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
     "fp8_linear": fp8_linear,  # quantized linears (paged.quantization): fp8 weights
     "int4_linear": int4_linear,  # AWQ / GPTQ int4 weights

@@ -31,10 +31,11 @@ class Qwen3Attention(Attention):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         t, d = x.shape[0], self.head_dim
-        q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)  # per head
-        k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        q = q.view(t, self.num_heads, d)
+        k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)
-        q, k = ops.get("rotary_embedding")(positions, q, k, rope)
+        q, k = ops.get("qk_norm_rotary")(positions, q, k, rope, self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps)  # fmt: skip
         out = self.attend(q, k, v, meta)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
