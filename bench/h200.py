@@ -329,6 +329,7 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         if _shape(args.model):  # no tokenizer: random token ids
             base += ["--vocab-size", _shape(args.model)["vocab_size"]]
         run("serve-warmup", paged("bench", "serve", *base, "--num-prompts", 8), 60, logs, echo=3)
+        before = _histograms(f"http://127.0.0.1:{port}/metrics")
         path = out / "serve.json"
         cmd = paged("bench", "serve", *base, "--request-rate", args.serve_rate,
                     "--num-prompts", args.serve_prompts, "--save-json", path)  # fmt: skip
@@ -336,9 +337,47 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         left = timeout - (time.monotonic() - t0) - 25
         res["rc"] = run("serve", cmd, max(10.0, left), logs)
         res |= _load(path)
+        res["server_side_mean_ms"] = _means(before, _histograms(f"http://127.0.0.1:{port}/metrics"))
+        print(f"[serve] server-side means (ms): {res['server_side_mean_ms']}", flush=True)
     finally:
         _stop(server)
     return res
+
+
+# The server's per-request histograms whose means split a TTFT: waiting in the engine core
+# before the first step that schedules the request, scheduled to first token, and the whole
+# TTFT as the server sees it (from its arrival at the server's engine client).
+_SPLIT = ("request_queue_time_seconds", "request_prefill_time_seconds",
+          "time_to_first_token_seconds", "inter_token_latency_seconds")  # fmt: skip
+
+
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    """{histogram: (sum, count)} of _SPLIT from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name.removeprefix("paged:")
+        if name in _SPLIT:
+            for sample in fam.samples:
+                entry = got.setdefault(name, [0.0, 0.0])
+                if sample.name.endswith("_sum"):
+                    entry[0] += sample.value
+                elif sample.name.endswith("_count"):
+                    entry[1] += sample.value
+    return {k: (v[0], v[1]) for k, v in got.items()}
+
+
+def _means(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds of each histogram over the observations between two scrapes."""
+    out = {}
+    for name, (total, count) in after.items():
+        t0, c0 = before.get(name, (0.0, 0.0))
+        if count > c0:
+            out[name.removesuffix("_seconds")] = round((total - t0) / (count - c0) * 1e3, 2)
+    return out
 
 
 RUNNERS = {
