@@ -162,10 +162,7 @@ def _core_loop(
             log.error("the server process is gone; the engine core exits")
             return
         rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
-        busy = core.has_unfinished()
-        if busy:  # requests that arrive during the step in flight's forward join the next one
-            core.wait_inflight_forward()
-        timeout, got = (0 if busy else 1000), False
+        timeout, got = (0 if core.has_unfinished() else 1000), False
         while pull.poll(timeout):
             msg = decode(pull.recv(copy=False).buffer)
             if type(msg) is m.Add:

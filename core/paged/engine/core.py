@@ -321,17 +321,6 @@ class EngineCore:
             outs += self._resolve(launched)
         return outs
 
-    def wait_inflight_forward(self) -> None:
-        """Overlap: block until the step in flight has run its forward (its head and sampling
-        still run on the device). A server calls this before taking new requests and the next
-        `step()`, so that a request arriving during that forward joins the next step: without
-        the wait the next step would already be queued, and the request would wait one step
-        more for its prefill. Costs the device the part of the host's scheduling that the
-        head and sampling do not cover."""
-        wait = getattr(self.inflight[1], "wait_forward", None) if self.inflight else None
-        if wait is not None:
-            wait()
-
     def _fill_beside(self, mask: DeferredMask, batch, prev) -> None:
         """Start `batch`'s mask once its forward is queued: the matchers take the tokens of
         the step in flight (`prev`: the device samples them before `batch`'s forward, so the

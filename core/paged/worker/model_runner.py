@@ -244,9 +244,7 @@ class ModelRunner:
         embedding requests that complete their prompt (StepHandle.embeddings)."""
         self.pooler.forget(batch.finished_ids)
         self.pooled = None
-        self._forward_done = None
         handle = self._launch(batch, prev)
-        handle.forward_done = self._forward_done
         if self.pooled is not None:
             ids, lens, vecs = self.pooled
             if self.overlap and self.device.type != "cpu":
@@ -289,9 +287,6 @@ class ModelRunner:
             hidden = every[logits_idx] if logits_idx.numel() else None
         else:
             hidden = self.forward(input_ids, positions, meta, logits_idx)
-        if self.overlap and self.device.type != "cpu":  # the head and sampling come next
-            self._forward_done = torch.Event(device=self.device)
-            self._forward_done.record()
         reqs = [
             r
             for r, s in zip(batch.reqs, meta.seq_lens_cpu)
@@ -491,7 +486,6 @@ class StepHandle:
         self.want = want  # per request: None, or how many top logprobs it asked for
         self.host = host  # tokens (+ chosen logprob, top values, top ids) as host tensors
         self.event = None  # marks the host copies done (overlapped platforms)
-        self.forward_done = None  # marks the forward done, before the head (overlapped)
         self._result: tuple[list[int], dict[str, dict[int, float]]] | None = None
         self.ranks: dict[str, int] = {}  # the sampled token's rank, where logprobs were asked
         self.prompt = None  # prompt_logprobs: (metas, device tensors) of prompt_logprobs()
@@ -505,11 +499,6 @@ class StepHandle:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending()
-
-    def wait_forward(self) -> None:
-        """Wait until the step's forward has run (its head and sampling may still run)."""
-        if self.forward_done is not None:
-            self.forward_done.synchronize()
 
     def embeddings(self) -> dict[str, list[float]]:
         """{request id: vector} of the embedding requests this step completed. Waits for it."""
