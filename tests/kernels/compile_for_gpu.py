@@ -135,6 +135,10 @@ def quantized_linears() -> None:
 
     n, k = 256, 512
     gemv(t(1, k), t(n, k))  # a plain (bf16) decode GEMV
+    from paged.kernels.gemv import gemv_split_k
+
+    for config in ((8, 256, 1, 4), (4, 128, 4, 4)):  # one-row linears (paged_cuda.gemv_select)
+        gemv_split_k(t(1, k), t(n, k), t(n), config, t(n, dtype=torch.int32))
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)

@@ -126,6 +126,86 @@ def gemv(
 
 
 @triton.jit
+def _gemv_split_k_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, stride_xm, stride_wn,
+    stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One row's BLOCK_N outputs over one of SPLIT slices of K. With SPLIT > 1 each program
+    writes its float32 partial sums, and the last program of a block (counted atomically) adds
+    the SPLIT partials in slice order, stores the block and resets its counter: one launch,
+    more programs than output blocks (small-N projections fill the GPU), the same sums in the
+    same order whichever program finishes last."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    x_row = x_ptr + row * stride_xm
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = pid_s * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc2 += w.to(tl.float32) * a[None, :]
+    acc = tl.sum(acc2, axis=1)
+    if SPLIT == 1:
+        _store_row(acc, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
+    else:
+        part = ws_ptr + row * SPLIT * N + cols
+        tl.store(part + pid_s * N, acc, mask=col_ok)
+        slot = row * tl.num_programs(0) + pid_n
+        if tl.atomic_add(count_ptr + slot, 1) == SPLIT - 1:  # acq_rel: the partials visible
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part + s * N, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + slot, 0)
+            _store_row(total, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
+
+
+@triton.jit
+def _store_row(acc, bias_ptr, out_row, cols, col_ok, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_row + cols, acc.to(out_row.dtype.element_ty), mask=col_ok)
+
+
+def split_k_counters(n: int, m: int, config: tuple[int, int, int, int]) -> int:
+    """How many int32 counters `gemv_split_k` needs for [m, K] x [n, K]^T under `config`."""
+    return m * triton.cdiv(n, config[0])
+
+
+def gemv_split_k(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: tuple[int, int, int, int],
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias) for 16/32-bit weights, K split over `config`'s
+    (BLOCK_N, BLOCK_K, SPLIT, warps). `counters`: int32 zeros, at least split_k_counters();
+    every launch leaves them zero again (so they can be shared, and captured in a graph)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, split, warps = config
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    ws = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    assert split == 1 or counters.numel() >= split_k_counters(n, m, config)
+    _gemv_split_k_kernel[(triton.cdiv(n, block_n), split, m)](
+        x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _fp8_gemv_dot_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -23,6 +23,12 @@ class CudaPlatform(AcceleratorPlatform):
             "kernels); off: dense weights in the model dtype",
             True,
         ),
+        PlatformOption(
+            "cuda_tuned_gemv",
+            "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
+            "where timing both at start-up finds it faster than cuBLAS; off: cuBLAS always",
+            True,
+        ),
     )
 
     @classmethod
@@ -46,6 +52,11 @@ class CudaPlatform(AcceleratorPlatform):
 
             use_gguf_int4(model, source, model.config)
             self.empty_cache()  # the dense weights just replaced
+        if self.option("cuda_tuned_gemv"):
+            from paged_cuda.gemv_select import use_measured_gemv
+
+            use_measured_gemv(model)
+            self.empty_cache()  # the timing graphs' memory
 
     def ops(self):
         """The Triton op table; fp8 linears through torch._scaled_mm where the GPU has fp8."""

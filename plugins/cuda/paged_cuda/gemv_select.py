@@ -1,0 +1,133 @@
+"""Measured kernel choice for one-row dense linears (batch-1 decode).
+
+cuBLAS reads a small projection (Qwen3-30B-A3B's o_proj: 2048 x 4096, its router: 128 x 2048)
+at well under the HBM bandwidth: too few output blocks to fill the GPU, or a split-K with a
+separate reduction kernel. At start-up, for each weight shape among the model's dense linears,
+cuBLAS and paged's split-K GEMV (paged.kernels.gemv.gemv_split_k) under a few configurations
+are timed at one row, each in a CUDA graph over every weight of that shape (so they come from
+HBM, as in a decode step); a shape whose best GEMV beats cuBLAS by MARGIN runs it for one-row
+inputs. Other row counts stay on cuBLAS.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+
+log = logging.getLogger("paged")
+
+MARGIN = 0.97  # a GEMV is taken only when it takes at most this fraction of cuBLAS's time
+REPLAYS = 5
+
+
+def candidates(n: int, k: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, SPLIT, warps) to try for weight [n, k]: enough programs to fill the
+    GPU's SMs about one to sixteen times, each slice of K at least one BLOCK_K step."""
+    out = []
+    for block_n in (4, 8, 16):
+        blocks = triton.cdiv(n, block_n)
+        for split in (1, 2, 4, 8):
+            if not 128 <= blocks * split <= 2048 or k // split < 256:
+                continue
+            out.append((block_n, 512 if k // split >= 512 else 256, split, 4))
+    return out
+
+
+def graph_time(calls: list[Callable[[], object]]) -> float:
+    """Seconds per call: the calls captured once in a CUDA graph, replayed REPLAYS times."""
+    for call in calls:  # compile, allocate
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (REPLAYS * len(calls))
+
+
+def choose(
+    shapes: dict[tuple[int, int], list[nn.Linear]],
+    time_cublas: Callable[[list[nn.Linear]], float],
+    time_gemv: Callable[[list[nn.Linear], tuple[int, int, int, int]], float],
+) -> dict[tuple[int, int], tuple[tuple[int, int, int, int], float, float]]:
+    """{(n, k): (config, GEMV seconds, cuBLAS seconds)} for the shapes where a GEMV config
+    takes at most MARGIN of cuBLAS's time (timers injected: tests run without a GPU)."""
+    chosen = {}
+    for (n, k), mods in shapes.items():
+        base = time_cublas(mods)
+        timed = [(time_gemv(mods, c), c) for c in candidates(n, k)]
+        if timed:
+            best, config = min(timed)
+            if best <= MARGIN * base:
+                chosen[(n, k)] = (config, best, base)
+    return chosen
+
+
+class OneRowGemv:
+    """A Linear's forward: the chosen split-K GEMV for one-row inputs, cuBLAS otherwise."""
+
+    def __init__(self, mod: nn.Linear, config: tuple[int, int, int, int], counters) -> None:
+        self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
+            from paged.kernels.gemv import gemv_split_k
+
+            return gemv_split_k(x, self.weight, self.bias, self.config, self.counters)
+        return F.linear(x, self.weight, self.bias)
+
+
+def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
+    """The model's 16-bit nn.Linear layers on the GPU, by weight shape (n, k)."""
+    shapes: dict[tuple[int, int], list[nn.Linear]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if type(mod) is not nn.Linear or w is None or not w.is_cuda or w.dim() != 2:
+            continue
+        if w.dtype in (torch.bfloat16, torch.float16) and w.stride(1) == 1:
+            shapes.setdefault(tuple(w.shape), []).append(mod)
+    return shapes
+
+
+def use_measured_gemv(model: nn.Module) -> None:
+    """Time and install the GEMV per weight shape where it beats cuBLAS at one row."""
+    from paged.kernels.gemv import gemv_split_k, split_k_counters
+
+    shapes = dense_linears(model)
+    if not shapes:
+        return
+    device = next(iter(shapes.values()))[0].weight.device
+    xs = {k: torch.randn(1, k, device=device, dtype=mods[0].weight.dtype)
+          for (_, k), mods in shapes.items()}  # fmt: skip
+    most = max((split_k_counters(n, 1, c) for n, k in shapes for c in candidates(n, k)),
+               default=1)  # fmt: skip
+    counters = torch.zeros(most, dtype=torch.int32, device=device)
+
+    def time_cublas(mods: list[nn.Linear]) -> float:
+        x = xs[mods[0].weight.shape[1]]
+        return graph_time([lambda m=m: F.linear(x, m.weight, m.bias) for m in mods])
+
+    def time_gemv(mods: list[nn.Linear], config) -> float:
+        x = xs[mods[0].weight.shape[1]]
+        return graph_time([lambda m=m: gemv_split_k(x, m.weight, m.bias, config, counters)
+                           for m in mods])  # fmt: skip
+
+    with torch.inference_mode():
+        chosen = choose(shapes, time_cublas, time_gemv)
+    for (n, k), (config, best, base) in chosen.items():
+        for mod in shapes[(n, k)]:
+            mod.forward = OneRowGemv(mod, config, counters)
+        log.info("one-row linears %dx%d (%d): split-K GEMV %s %.1f us, cuBLAS %.1f us", n, k,
+                 len(shapes[(n, k)]), config, best * 1e6, base * 1e6)  # fmt: skip
+    torch.cuda.synchronize()
