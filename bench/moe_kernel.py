@@ -48,7 +48,7 @@ def sweep(e: int, k: int, h: int, i: int) -> None:
           if c[0] * c[1] * 2 <= 4096 * c[2]]),
         ("down, k experts summed", torch.empty(1, h, device=dev, dtype=dt), k * h * i * 2,
          lambda cfg, ids, out: _down_sum(act, w2, out, weights, ids, k, cfg),
-         down_sum_config(h, i, k),
+         down_sum_config(h, i),
          [c for c in itertools.product((1, 2, 4, 8), (64, 128, 256, 512), (4, 8))
           if k_pad * c[0] * c[1] <= 4096 * c[2]]),
     )  # fmt: skip

@@ -37,14 +37,12 @@ def test_a_shape_takes_the_fastest_gemv_only_when_it_beats_cublas():
 
 
 def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
-    from paged.kernels import gemv as kernels
-
     torch.manual_seed(0)
     lin = nn.Linear(64, 40, bias=True).to(device)
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     calls = []
-    real = kernels.gemv_split_k
-    monkeypatch.setattr(kernels, "gemv_split_k", lambda *a: calls.append(1) or real(*a))
+    real = gemv_select.gemv_split_k
+    monkeypatch.setattr(gemv_select, "gemv_split_k", lambda *a: calls.append(1) or real(*a))
     lin.forward = gemv_select.OneRowGemv(lin, (8, 32, 2, 4), counters)
     with torch.no_grad():
         for rows in (1, 3):

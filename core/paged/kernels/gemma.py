@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels.fused import _warps
+
 
 @triton.jit
 def _gemma_rms_norm_kernel(
@@ -42,10 +44,6 @@ def _gemma_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = h * tl.rsqrt(var + eps) * (1.0 + w)  # float32 throughout, one cast at the end
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _warps(n: int) -> int:  # <= 16: 1024 lanes with 64-lane wavefronts (HIP's limit)
-    return 4 if n <= 2048 else 8 if n <= 8192 else 16
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:

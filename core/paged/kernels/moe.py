@@ -175,7 +175,7 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return min(8, triton.next_power_of_2(n)), min(128, max(16, triton.next_power_of_2(k))), 8
 
 
-def down_sum_config(n: int, k: int, top_k: int) -> tuple[int, int, int]:
+def down_sum_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of the summing down GEMV: the best on an H200 for a
     Qwen3-30B-A3B layer (bench/moe_kernel.py --sweep: 8.4 us, 3.0 TB/s, one token)."""
     return min(2, triton.next_power_of_2(n)), min(128, max(16, triton.next_power_of_2(k))), 4
@@ -183,7 +183,7 @@ def down_sum_config(n: int, k: int, top_k: int) -> tuple[int, int, int]:
 
 def _down_sum(a, b, c, weights, ids, top_k: int, config=None) -> None:
     n, k = c.shape[1], a.shape[1]
-    block_n, block_k, warps = config or down_sum_config(n, k, top_k)
+    block_n, block_k, warps = config or down_sum_config(n, k)
     _down_gemv_sum[(c.shape[0], triton.cdiv(n, block_n))](
         a, b, c, weights, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,

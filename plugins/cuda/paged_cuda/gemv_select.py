@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
+from paged.kernels.gemv import gemv_split_k, split_k_counters
+
 log = logging.getLogger("paged")
 
 MARGIN = 0.97  # a GEMV is taken only when it takes at most this fraction of cuBLAS's time
@@ -82,8 +84,6 @@ class OneRowGemv:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
-            from paged.kernels.gemv import gemv_split_k
-
             return gemv_split_k(x, self.weight, self.bias, self.config, self.counters)
         return F.linear(x, self.weight, self.bias)
 
@@ -102,8 +102,6 @@ def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
 
 def use_measured_gemv(model: nn.Module) -> None:
     """Time and install the GEMV per weight shape where it beats cuBLAS at one row."""
-    from paged.kernels.gemv import gemv_split_k, split_k_counters
-
     shapes = dense_linears(model)
     if not shapes:
         return
