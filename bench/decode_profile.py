@@ -5,9 +5,10 @@ between them.
     python bench/decode_profile.py [--model llama-3.1-8b] [--batch 1] [--tokens 64]
         [--quantization fp8] [--kv-cache-dtype fp8]
 
-Prints per step: wall time, device busy and idle (gaps over 20 us: the host was late), and the
-kernels by their time per step (calls per step beside). The prompt is 16 tokens, so the one
-prefill step weighs little against `--tokens` decode steps.
+Prints which dense linears' one-row products run the split-K GEMV instead of cuBLAS (the CUDA
+plugin's start-up choice), then per step: wall time, device busy and idle (gaps over 20 us: the
+host was late), and the kernels by their time per step (calls per step beside). The prompt is
+16 tokens, so the one prefill step weighs little against `--tokens` decode steps.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> None:
                for _ in range(args.batch)]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: graphs, kernels
+    print_gemv_choices(llm)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -82,6 +84,21 @@ def main() -> None:
         print(f"  {us / steps:8.1f} us  {calls / steps:6.1f} calls  {name}")
     if args.sync_debug:
         sync_sites(llm, prompts, params, steps)
+
+
+def print_gemv_choices(llm: LLM) -> None:
+    """The dense linears whose one-row product runs paged's split-K GEMV (the CUDA plugin's
+    start-up timing against cuBLAS chose it: paged_cuda/gemv_select.py), by weight shape."""
+    chosen: dict[tuple, list] = {}
+    for mod in llm.engine.runner.model.modules():
+        fwd = mod.__dict__.get("forward")
+        if type(fwd).__name__ == "OneRowGemv":
+            chosen.setdefault(tuple(fwd.weight.shape), []).append(fwd.config)
+    if not chosen:
+        print("one-row linears: cuBLAS for every shape")
+    for shape, configs in chosen.items():
+        print(f"one-row linears {shape[0]}x{shape[1]} ({len(configs)}): split-K GEMV "
+              f"(BLOCK_N, BLOCK_K, SPLIT, warps) {configs[0]}")  # fmt: skip
 
 
 def sync_sites(llm: LLM, prompts, params, steps: int) -> None:
