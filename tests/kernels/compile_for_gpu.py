@@ -114,6 +114,9 @@ def fused() -> None:
     rotary_embedding(t(4, dtype=torch.int64), qkv[:, : 8 * 64].view(4, 8, 64),
                      qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
                      64, norm=(t(64), t(64), 1e-6))  # Qwen3's q/k norm fused  # fmt: skip
+    rotary_embedding(t(4, dtype=torch.int64), qkv[:, : 8 * 64].view(4, 8, 64),
+                     qkv[:, 8 * 64 : 10 * 64].view(4, 2, 64), t(128, 64, dtype=torch.float32),
+                     64, norm=(t(64), t(64), 1e-6), gemma_norm=True)  # Gemma 3's  # fmt: skip
     silu_and_mul(t(4, 512))
     from paged.kernels.gemma import gelu_and_mul, gemma_add_rms_norm, gemma_rms_norm
 

@@ -79,11 +79,19 @@ def test_rotary_embedding(dtype, heads, kv_heads, head_dim, rot_dim, device):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 
+def hf_gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rot_dim", [(8, 2, 64, 64), (4, 2, 32, 16)])
-def test_rotary_with_head_norm(dtype, heads, kv_heads, head_dim, rot_dim, device):
-    """Qwen3's q_norm / k_norm fused before the rotary (every dim rotated), and the two-pass
-    fallback for a partial rotary: both equal rms_norm per head, then the rotary."""
+def test_rotary_with_head_norm(dtype, heads, kv_heads, head_dim, rot_dim, gemma, device):
+    """Qwen3's q_norm / k_norm (or Gemma 3's, `gemma`) fused before the rotary (every dim
+    rotated), and the two-pass fallback for a partial rotary: both equal the norm per head,
+    then the rotary."""
     gen = torch.Generator().manual_seed(head_dim + rot_dim)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
@@ -93,9 +101,11 @@ def test_rotary_with_head_norm(dtype, heads, kv_heads, head_dim, rot_dim, device
     k_w = (1 + 0.3 * torch.randn(head_dim, generator=gen)).to(device, dtype)
     positions = torch.randint(0, 100, (tokens,), generator=gen).to(device)
     cache = cos_sin_cache(128, rot_dim).to(device)
-    expect_q = hf_rotary(positions, hf_rms_norm(q, q_w, 1e-6), cache, head_dim)
-    expect_k = hf_rotary(positions, hf_rms_norm(k, k_w, 1e-6), cache, head_dim)
-    got_q, got_k = rotary_embedding(positions, q, k, cache, head_dim, norm=(q_w, k_w, 1e-6))
+    norm = hf_gemma_norm if gemma else hf_rms_norm
+    expect_q = hf_rotary(positions, norm(q, q_w, 1e-6), cache, head_dim)
+    expect_k = hf_rotary(positions, norm(k, k_w, 1e-6), cache, head_dim)
+    got_q, got_k = rotary_embedding(positions, q, k, cache, head_dim, norm=(q_w, k_w, 1e-6),
+                                    gemma_norm=gemma)  # fmt: skip
     assert close(got_q, expect_q, dtype) and close(got_k, expect_k, dtype)
 
 

@@ -83,9 +83,9 @@ def _warps(n: int) -> int:
 @triton.jit
 def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, w_ptr, eps, BLOCK_H: tl.constexpr,
             HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    """Rotate the first 2*HALF dims of every head of token t in place (NeoX style). NORM:
+    """Rotate the first 2*HALF dims of every head of token t in place (NeoX style). NORM 1:
     first an RMSNorm of each head (2*HALF dims, all rotated) by weight w_ptr, as rms_norm
-    computes it (Qwen3's q_norm / k_norm)."""
+    computes it (Qwen3's q_norm / k_norm); NORM 2: Gemma's, (1 + w) in float32, cast once."""
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, HALF_PAD)
     mask = (h < n_heads)[:, None]
@@ -94,14 +94,18 @@ def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, w_ptr, eps, BLOCK_H: 
     p1 = ptr + t * stride_t + h[:, None] * stride_h + c[None, :]
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    if NORM:  # HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), in float32
+    if NORM != 0:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         var = (tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF)
         rstd = tl.rsqrt(var + eps)[:, None]
         w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-        x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        if NORM == 1:  # HF Llama/Qwen3: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        else:  # HF Gemma: x * rsqrt(mean(x^2) + eps) * (1 + weight), float32, cast once
+            x1 = (f1 * rstd * (1.0 + w1)).to(x1.dtype)
+            x2 = (f2 * rstd * (1.0 + w2)).to(x2.dtype)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
@@ -151,13 +155,14 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     head_dim: int,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gemma_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In-place NeoX ("rotate_half") rotary on q `[T, Hq, D]`, k `[T, Hk, D]` (strided views).
 
     cos_sin_cache `[max_pos, rot_dim]`: cos in the first rot_dim/2 columns, sin in the rest;
     rot_dim (even, <= head_dim) leading dims of each head are rotated. `norm` (q weight, k
-    weight, eps): RMSNorm each head first (Qwen3's q_norm / k_norm), in the same kernel when
-    every dim is rotated.
+    weight, eps): RMSNorm each head first (Qwen3's q_norm / k_norm; `gemma_norm`: Gemma 3's),
+    in the same kernel when every dim is rotated.
     """
     num_tokens = positions.shape[0]
     rot_dim = cos_sin_cache.shape[-1]
@@ -166,8 +171,12 @@ def rotary_embedding(
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     if norm is not None and rot_dim != head_dim:  # the unrotated tail needs its own pass
         q_w, k_w, eps = norm
-        q = rms_norm(q.reshape(-1, head_dim), q_w, eps).view(q.shape)
-        k = rms_norm(k.reshape(-1, head_dim), k_w, eps).view(k.shape)
+        if gemma_norm:
+            from paged.kernels.gemma import gemma_rms_norm as head_norm
+        else:
+            head_norm = rms_norm
+        q = head_norm(q.reshape(-1, head_dim), q_w, eps).view(q.shape)
+        k = head_norm(k.reshape(-1, head_dim), k_w, eps).view(k.shape)
         norm = None
     if num_tokens:
         q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)  # unread without NORM
@@ -176,7 +185,8 @@ def rotary_embedding(
             k.stride(1), cos_sin_cache.stride(0), q.shape[1], k.shape[1], HALF=rot_dim // 2,
             HALF_PAD=triton.next_power_of_2(rot_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-            BLOCK_HK=triton.next_power_of_2(k.shape[1]), NORM=norm is not None, num_warps=4,
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            NORM=0 if norm is None else 2 if gemma_norm else 1, num_warps=4,
         )  # fmt: skip
     return q, k
 

@@ -26,11 +26,12 @@ def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
     return rotary_embedding(pos, q, k, cache, q.shape[-1])
 
 
-def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps):
+def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False):
     from paged.kernels import rotary_embedding
 
     pos, cache = rope
-    return rotary_embedding(pos, q, k, cache, q.shape[-1], norm=(q_weight, k_weight, eps))
+    norm = (q_weight, k_weight, eps)
+    return rotary_embedding(pos, q, k, cache, q.shape[-1], norm=norm, gemma_norm=gemma)
 
 
 def _gemma_rms_norm(x, weight, eps):

@@ -60,9 +60,11 @@ class GemmaAttention(Attention):
         q = q.reshape(t, self.num_heads, d)
         k = k.reshape(t, self.num_kv_heads, d)
         v = v.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.get("rotary_embedding")(positions, q, k, rope)
+        if self.q_norm is not None:  # Gemma 3: each head normalised, then rotated
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q, k = ops.get("qk_norm_rotary")(positions, q, k, rope, *norms, gemma=True)
+        else:
+            q, k = ops.get("rotary_embedding")(positions, q, k, rope)
         if self.q_mult != 1.0:  # the layer's scale, where the backend takes none
             q = q * self.q_mult
         out = self.attend(q, k, v, meta)

@@ -77,12 +77,14 @@ def qk_norm_rotary(
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     eps: float,
+    gemma: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An RMSNorm over each query and key head (Qwen3's q_norm / k_norm), then the rotary
-    embedding: the platform's rms_norm and rotary_embedding ops, one after the other."""
-    d = q.shape[-1]
-    q = get("rms_norm")(q.reshape(-1, d), q_weight, eps).view(q.shape)
-    k = get("rms_norm")(k.reshape(-1, d), k_weight, eps).view(k.shape)
+    """An RMSNorm over each query and key head (Qwen3's q_norm / k_norm; `gemma`: Gemma 3's,
+    gemma_rms_norm), then the rotary embedding: the platform's norm and rotary_embedding ops,
+    one after the other."""
+    d, norm = q.shape[-1], get("gemma_rms_norm" if gemma else "rms_norm")
+    q = norm(q.reshape(-1, d), q_weight, eps).view(q.shape)
+    k = norm(k.reshape(-1, d), k_weight, eps).view(k.shape)
     return get("rotary_embedding")(positions, q, k, rope)
 
 
