@@ -15,33 +15,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_eagle import GREEDY, generate, prompts, record_proposals, spec_stats
+from tiny_hf import TINY, make_tiny
 
 from paged import LLM, SamplingParams
 from paged.config import EngineConfig
 
 K = 3
-H, INTER, HEADS, KV_HEADS, V = 64, 128, 4, 2, 320
+H, INTER, V = TINY["hidden_size"], TINY["intermediate_size"], TINY["vocab_size"]
+HEADS, KV_HEADS = TINY["num_attention_heads"], TINY["num_key_value_heads"]  # the target's
 D = H // HEADS
 LAYERS = 8  # vLLM's default aux layers: inputs of layers 2, 4, 5
 DRAFT_V = 200
 
 
-def save_llama(path: str, seed: int = 0, **changes) -> str:
-    """A tiny random Llama (8 layers; larger weights than HF's init, so no greedy ties)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=V,
-                      max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
-                      **changes)  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+def save_llama(path: str) -> str:
+    """The target: the tests' tiny Llama (tiny_hf.py) with 8 layers."""
+    return make_tiny("llama", path, num_hidden_layers=LAYERS)
 
 
 def write_head(

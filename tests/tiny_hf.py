@@ -1,0 +1,42 @@
+"""Tiny random HF models saved locally: the shape every test model starts from (conftest.py's
+fixtures, and tests that need a variant of it)."""
+
+from __future__ import annotations
+
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=320,
+    max_position_embeddings=512,
+)
+
+
+def make_tiny(kind: str, path: str, seed: int = 0, **changes) -> str:
+    """Save a tiny random HF model of `kind` (llama | qwen2 | mistral) to `path`; `changes`
+    override TINY's sizes (e.g. num_hidden_layers)."""
+    import transformers as tf
+
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[kind]
+    extra = {"tie_word_embeddings": kind == "qwen2"}
+    if kind == "mistral":
+        extra["sliding_window"] = None
+    cfg = cfg_cls(**{**TINY, **changes}, **extra, eos_token_id=1, bos_token_id=0)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    # Random weights of a freshly initialised model are small; make the logits less flat
+    # so greedy decoding is far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
