@@ -106,17 +106,10 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i holds column 8c
 def tiny_int4_llama(path: str) -> str:
     """A tiny Llama whose projections have 256 or 512 input columns (groups of 128; two
     tensor-parallel ranks get whole groups of the row-parallel o_proj and down_proj)."""
-    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
-                         max_position_embeddings=256, eos_token_id=1, bos_token_id=0)  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    from tiny_hf import make_tiny
+
+    return make_tiny("llama", path, hidden_size=256, intermediate_size=512,
+                     max_position_embeddings=256)  # fmt: skip
 
 
 def _pack_awq(values: torch.Tensor) -> torch.Tensor:
