@@ -21,16 +21,23 @@ def test_candidates_fill_the_gpu_without_tiny_slices(n, k):
 
 
 def test_a_shape_takes_the_fastest_gemv_only_when_it_beats_cublas():
-    shapes = {(2048, 4096): ["o"] * 3, (128, 2048): ["gate"] * 3, (8192, 4096): ["up"]}
+    shapes = {(2048, 4096): ["o"] * 3, (128, 2048): ["gate"] * 3, (8192, 4096): ["up"],
+              (128256, 4096): ["head"]}  # fmt: skip
     cublas = {"o": 9e-6, "gate": 5e-6, "up": 20e-6}
+    timed = []
+
+    def time_cublas(mods):
+        timed.append(mods[0])
+        return cublas[mods[0]]
 
     def time_gemv(mods, config):
         if mods[0] == "up":  # never faster enough
             return 19.9e-6
         return {"o": 5e-6, "gate": 2e-6}[mods[0]] * (1 + config[2] / 100)  # split 1 fastest
 
-    chosen = gemv_select.choose(shapes, lambda mods: cublas[mods[0]], time_gemv)
+    chosen = gemv_select.choose(shapes, time_cublas, time_gemv)
     assert set(chosen) == {(2048, 4096), (128, 2048)}
+    assert timed == ["o", "gate", "up"]  # a shape with no candidate is not timed at all
     config, best, base = chosen[(2048, 4096)]
     assert base == 9e-6 and best == min(time_gemv(["o"], c)
                                         for c in gemv_select.candidates(2048, 4096))  # fmt: skip
