@@ -94,6 +94,19 @@ class FakeGraphRunner(GraphStepRunner):
     def graph_pool(self):
         return "pool"
 
+    def _graph_body(self, input_ids, positions, meta, with_tail):
+        """The body, its tail recorded too (the model records its own forward)."""
+        out, tail = super()._graph_body(input_ids, positions, meta, with_tail)
+        if FakeGraph.recording is not None and tail is not None:
+
+            def again() -> None:
+                for old, new in zip(tail, self.tail(out)):
+                    if old is not None:
+                        old.copy_(new)
+
+            FakeGraph.recording.ops.append(again)
+        return out, tail
+
 
 def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6,
                 spec_tokens=None, enable_lora=False, graph_safe_varlen=True):  # fmt: skip
@@ -203,6 +216,52 @@ def test_failed_capture_falls_back_to_eager(caplog):
     assert "Fake graph capture failed, running eagerly" in caplog.text
     out = step(runner, 3)
     assert out[:, 3].tolist() == [100, 101, 102] and runner.backend.plans[-1] == ("eager", 3)
+
+
+def echo_tail(out):
+    """A tail over FakeModel's rows: "logits" (the input ids and positions, as floats) and
+    their "argmax"."""
+    logits = out[:, :2].float()
+    return logits, logits.argmax(-1)
+
+
+def test_tail_inside_small_graphs_only():
+    class SmallTails(FakeGraphRunner):
+        max_tail_capture_size = 2
+
+    runner, _ = make_runner(SmallTails)
+    runner.tail = echo_tail
+    runner.capture()
+    assert sorted(runner.tails) == [1, 2] and sorted(runner.graphs) == [1, 2, 4, 6]
+    ids, pos = torch.tensor([7, 30]), torch.tensor([31, 2])
+    logits, greedy = runner.decode_logits(ids, pos, decode_meta(2))
+    assert logits.tolist() == [[7.0, 31.0], [30.0, 2.0]] and greedy.tolist() == [1, 0]
+    assert runner.graphs[2][0].replays == 1
+    logits, greedy = runner.decode_logits(ids[:1], pos[:1], decode_meta(1))  # its own graph
+    assert logits.tolist() == [[7.0, 31.0]] and greedy.tolist() == [1]
+    calls = runner.model.calls
+    assert runner.decode_logits(ids[:1], pos[:1], decode_meta(1, num_decodes=0)) is None
+    assert runner.decode_logits(torch.arange(3), torch.arange(3), decode_meta(3)) is None
+    assert runner.model.calls == calls  # refused: nothing ran (the caller runs forward)
+    assert step(runner, 2, offset=1)[:, 0].tolist() == [6, 7]  # forward still replays
+
+
+def test_tails_dropped_with_failed_capture():
+    class FailsAtLast(FakeGraphRunner):
+        fail_at = 3  # sizes 6, 4, 2 captured (tails with them), then size 1 fails
+
+    runner, _ = make_runner(FailsAtLast)
+    runner.tail = echo_tail
+    runner.capture()
+    assert runner.graphs == {} and runner.tails == {}
+    assert runner.decode_logits(torch.arange(2), torch.arange(2), decode_meta(2)) is None
+
+
+def test_eager_runner_has_no_tail():
+    from paged.worker.step_runner import StepRunner
+
+    runner, _ = make_runner(StepRunner)
+    assert runner.decode_logits(torch.arange(2), torch.arange(2), decode_meta(2)) is None
 
 
 def test_failed_capture_raises_without_fallback():

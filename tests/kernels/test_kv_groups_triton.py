@@ -64,8 +64,12 @@ class ReplayGraph:
 
     def replay(self) -> None:
         self.replays += 1
-        out, again = self.run
-        out.copy_(again())
+        (out, tail), again = self.run
+        new_out, new_tail = again()
+        out.copy_(new_out)
+        for old, new in zip(tail or (), new_tail or ()):
+            if old is not None:
+                old.copy_(new)
 
 
 def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_only):
@@ -88,18 +92,18 @@ def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_on
 
         @contextlib.contextmanager
         def graph_capture(self, graph: ReplayGraph, pool):
-            model = self.model
+            body = self._graph_body
 
-            def record(ids, pos, meta):  # the captured call, replayed as it was made
-                out = model(ids, pos, meta)
-                graph.run = (out, lambda: model(ids, pos, meta))
-                return out
+            def record(*args):  # the captured call, replayed as it was made
+                outs = body(*args)
+                graph.run = (outs, lambda: body(*args))
+                return outs
 
-            self.model = record
+            self._graph_body = record
             try:
                 yield
             finally:
-                self.model = model
+                del self._graph_body
 
     class GraphsOnCpu(attention_on_triton()):
         def step_runner(self):

@@ -36,6 +36,18 @@ class SamplingBatch:
     # structured outputs, allowed_token_ids and bad_words of the masked rows.
     bitmask: tuple[torch.Tensor | None, torch.Tensor] | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether sample() reduces to the logits' argmax: every row greedy, nothing that
+        changes the logits first."""
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and not self.logit_bias
+            and not self.min_tokens_mask
+            and self.bitmask is None
+        )
+
 
 def build_sampling_batch(
     reqs: list[RequestView],

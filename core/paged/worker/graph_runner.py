@@ -14,6 +14,11 @@ A platform subclasses `GraphStepRunner` and supplies the device's graph API thro
 small methods (`new_graph`, `graph_capture`, `graph_pool`, and `graphs_available` where
 the API may be missing); synchronization goes through `Platform.synchronize`.
 
+Decode graphs up to `max_tail_capture_size` also run the step's tail when the model runner
+sets `tail` (the LM head and the greedy argmax: `decode_logits` replays them), so a small
+batch's step is one graph from input ids to greedy tokens. Larger batches leave the head out:
+their launches cost little beside the step, and the static logits would hold memory.
+
 A model with several KV-cache groups (model/kv_groups.py) gets static block tables and slot
 mappings per group (`group_tables`, `group_slots`; the first group's are `tables`, `slots`).
 """
@@ -31,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from paged.model.attention import AttentionMetadata, plan_groups
-from paged.worker.step_runner import StepRunner
+from paged.worker.step_runner import StepRunner, Tail
 
 log = logging.getLogger("paged")
 
@@ -51,11 +56,13 @@ class GraphStepRunner(StepRunner):
     eager_fallback: ClassVar[bool] = True
 
     max_spec_capture_size: ClassVar[int] = 128  # the largest verification batch captured
+    max_tail_capture_size: ClassVar[int] = 32  # the largest decode graph that runs `tail` too
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.sizes: list[int] = []
+        self.tails: dict[int, Tail] = {}  # decode size -> the tail's outputs in its graph
         self.spec_graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.spec_sizes: list[int] = []
         self.spec_q = self.spec_width()
@@ -168,6 +175,14 @@ class GraphStepRunner(StepRunner):
             else:
                 slots.index_copy_(0, rows, view.slot_mapping)
 
+    def _graph_body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        with_tail: bool,
+    ) -> tuple[torch.Tensor, Tail | None]:
+        """What a graph records: the forward, then the tail where asked."""
+        out = self.model(input_ids, positions, meta)
+        return out, (self.tail(out) if with_tail else None)
+
     def capture(self) -> None:
         if self.config.enforce_eager or not self.graphs_available():
             return
@@ -188,24 +203,31 @@ class GraphStepRunner(StepRunner):
             for n, rows in tqdm(todo, desc=desc, leave=False):
                 meta = self.graph_meta(n) if rows == 1 else self.spec_graph_meta(n)
                 t = n * rows
+                tail = rows == 1 and self.tail is not None and n <= self.max_tail_capture_size
+                args = (self.input_ids[:t], self.positions[:t], meta, tail)
                 with torch.inference_mode():
                     for _ in range(2):  # warm-up: kernels compile outside the capture
-                        self.model(self.input_ids[:t], self.positions[:t], meta)
+                        self._graph_body(*args)
                     self.synchronize()
                     graph = self.new_graph()
                     with self.graph_capture(graph, pool):
-                        out = self.model(self.input_ids[:t], self.positions[:t], meta)
+                        out, tail_out = self._graph_body(*args)
                 (self.graphs if rows == 1 else self.spec_graphs)[n] = (graph, out, meta)
+                if tail_out is not None:
+                    self.tails[n] = tail_out
         except RuntimeError as e:  # a driver or op that cannot be captured
             if not self.eager_fallback:
                 raise
             log.warning("%s graph capture failed, running eagerly: %s", self.graph_name, e)
             self.graphs.clear()
             self.spec_graphs.clear()
+            self.tails.clear()
             return
         self.synchronize()
         self.sizes, self.spec_sizes = sizes, spec_sizes
         spec = f", verification batch 1..{spec_sizes[-1]} x {q} rows" if spec_sizes else ""
+        if self.tails:
+            spec += f", LM head and greedy tokens inside up to batch {max(self.tails)}"
         log.info(
             "captured %d %s graphs (decode batch 1..%d%s) in %.1f s",
             len(self.graphs) + len(self.spec_graphs),
@@ -225,6 +247,27 @@ class GraphStepRunner(StepRunner):
         if not self.graphs or meta.num_decodes != n or n > self.sizes[-1]:
             return super().forward(input_ids, positions, meta)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        return self._replay(size, input_ids, positions, meta)[:n]
+
+    @torch.inference_mode()
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> Tail | None:
+        """The tail's (logits, greedy ids) of a decode step, from a graph that ran it (None:
+        no such graph for this step; call forward)."""
+        n = meta.num_reqs
+        if not self.tails or meta.num_decodes != n or n > max(self.tails):
+            return None
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        self._replay(size, input_ids, positions, meta)
+        logits, ids = self.tails[size]
+        return (None if logits is None else logits[:n]), (None if ids is None else ids[:n])
+
+    def _replay(
+        self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Replay the decode graph of `size` on this step's inputs; its whole static output."""
+        n = meta.num_reqs
         graph, out, _ = self.graphs[size]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
@@ -235,7 +278,7 @@ class GraphStepRunner(StepRunner):
                 slots[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(0)
         graph.replay()
-        return out[:n]
+        return out
 
     def _fits_spec_graph(self, meta: AttentionMetadata) -> bool:
         """Whether a verification graph runs this step: each request's query rows fit in Q

@@ -104,6 +104,8 @@ class ModelRunner:
         )
         self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
         self.step_runner.num_kv_groups = len(self.kv_groups)
+        if self._tail_in_graph():  # small decode graphs run the head and the argmax too
+            self.step_runner.tail = self._logits_and_greedy
         # Overlap: launch step N+1 before step N's tokens reach the host (see EngineCore.step).
         self.overlap = bool(
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
@@ -116,6 +118,24 @@ class ModelRunner:
         # --seed: unseeded requests draw from torch's default generators, seeded here (as vLLM
         # seeds its workers), so the same requests in the same order sample the same tokens.
         torch.manual_seed(config.seed)
+
+    def _tail_in_graph(self) -> bool:
+        """Whether a decode step's head and greedy argmax may run inside its graph: one rank
+        (the head's gather across tensor-parallel ranks is not captured), no LoRA (adapters
+        on the head), no speculative decoding (verification and proposers read the hidden
+        states), no aux layers in the output, not an embedding model (no head)."""
+        c, p = self.config, parallel()
+        return (
+            p.world_size == 1
+            and not c.enable_lora
+            and c.speculative_config is None
+            and not getattr(self.model, "aux_layers", ())
+            and c.runner != "pooling"
+        )
+
+    def _logits_and_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits = self.model.compute_logits(hidden)
+        return logits, (None if logits is None else logits.argmax(dim=-1))
 
     def architecture(self) -> type:
         """The model's class (a speculative head's runner builds its own)."""
@@ -277,6 +297,7 @@ class ModelRunner:
             input_ids[fill[0]] = prev.tokens[fill[1]]
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
+        tail = None  # (logits, greedy ids) where the decode graph ran the head too
         if Pooler.wanted(batch) or self.hidden_tap is not None:  # every row's hidden state
             every = self.step_runner.forward(input_ids, positions, meta)  # (one pipeline stage)
             every, aux = self._split_aux(every)
@@ -286,7 +307,9 @@ class ModelRunner:
                 self.hidden_tap(batch, every if aux is None else aux)
             hidden = every[logits_idx] if logits_idx.numel() else None
         else:
-            hidden = self.forward(input_ids, positions, meta, logits_idx)
+            tail = self._decode_tail(input_ids, positions, meta, logits_idx)
+            if tail is None:
+                hidden = self.forward(input_ids, positions, meta, logits_idx)
         reqs = [
             r
             for r, s in zip(batch.reqs, meta.seq_lens_cpu)
@@ -294,7 +317,7 @@ class ModelRunner:
         ]
         if logits_idx.numel() == 0:
             return StepHandle(reqs, None, [], None)
-        logits = self.model.compute_logits(hidden)
+        logits, greedy = tail if tail is not None else (self.model.compute_logits(hidden), None)
         prompt, split = None, self.inputs.row_split
         if split is not None:  # rows of prompt_logprobs among the sampling rows
             prompt = prompt_logprobs(batch, logits[torch.from_numpy(split[1]).to(self.device)])
@@ -314,30 +337,40 @@ class ModelRunner:
             return handle
         if batch.forks:  # forked sequences sample from their leader's row
             logits, reqs = fork_rows(logits, reqs, batch.forks)
+            greedy = None
         handle = StepHandle(reqs, None, [r.params.logprobs for r in reqs], None)
         handle.prompt = prompt
         mask = batch.token_bitmask  # structured outputs etc.: masked in the sampler
         if getattr(mask, "deferred", False):  # the engine finishes the step once it is filled
-            handle.pending = partial(self._sample_deferred, handle, logits, mask, prompt)
+            handle.pending = partial(self._sample_deferred, handle, logits, mask, prompt, greedy)
             return handle
         if callable(mask):  # filled now, while the device runs the queued forward
             mask = mask()
-        self._sample(handle, logits, mask, prompt)
+        self._sample(handle, logits, mask, prompt, greedy)
         return handle
 
-    @torch.inference_mode()
-    def _sample_deferred(self, handle: StepHandle, logits: torch.Tensor, mask, prompt) -> None:
-        self._sample(handle, logits, mask(), prompt)
+    def _decode_tail(self, input_ids, positions, meta, logits_idx) -> tuple | None:
+        """(logits, greedy ids) of a decode step whose graph runs the head too, else None."""
+        if logits_idx.numel() != meta.num_tokens:  # (a decode step's rows all sample)
+            return None
+        return self.step_runner.decode_logits(input_ids, positions, meta)
 
-    def _sample(self, handle: StepHandle, logits: torch.Tensor, mask, prompt) -> None:
+    @torch.inference_mode()
+    def _sample_deferred(self, handle: StepHandle, logits: torch.Tensor, mask, prompt,
+                         greedy: torch.Tensor | None) -> None:  # fmt: skip
+        self._sample(handle, logits, mask(), prompt, greedy)
+
+    def _sample(self, handle: StepHandle, logits: torch.Tensor, mask, prompt,
+                greedy: torch.Tensor | None = None) -> None:  # fmt: skip
         """Queue the step's sampling (masked by `mask`, the structured outputs' bitmask, or
-        None), its logprobs, and the host copies `handle` reads."""
+        None), its logprobs, and the host copies `handle` reads. `greedy`: the rows' argmax
+        already taken (in the decode graph), the tokens when nothing else applies."""
         reqs, want = handle.reqs, handle.want
         k = max((w or 0 for w in want), default=0)
         sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
         if mask is not None:
             sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
-        tokens = sample(logits, sb)
+        tokens = greedy if greedy is not None and sb.argmax_only else sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
             logprobs = logits.log_softmax(-1)

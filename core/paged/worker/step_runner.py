@@ -3,6 +3,7 @@ platforms (CUDA/HIP graphs, XLA buckets) subclass it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,10 @@ from paged.model.attention import AttentionMetadata, plan_groups
 if TYPE_CHECKING:
     from paged.config import EngineConfig
     from paged.platform import Platform
+
+# A step's logits and greedy token ids from its final hidden states (None on a rank that
+# holds no logits: a tensor-parallel follower).
+Tail = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 def block_dim(backend) -> int:
@@ -36,6 +41,9 @@ def copy_kv_blocks(model: torch.nn.Module, backend, copies: torch.Tensor) -> Non
 
 class StepRunner:
     num_kv_groups = 1  # KV-cache groups: attention metadata views (set by the model runner)
+    # The step's tail (the LM head and the greedy argmax), set by the model runner where a
+    # graph may run it (one pipeline stage, no LoRA, speculation or aux outputs).
+    tail: Callable[[torch.Tensor], Tail] | None = None
 
     def __init__(
         self, model: torch.nn.Module, config: EngineConfig, platform: Platform, backend
@@ -52,6 +60,13 @@ class StepRunner:
 
     def capture(self) -> None:
         """Compile or capture ahead of serving (no-op when eager)."""
+
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> Tail | None:
+        """(logits, greedy ids) of a decode step run with its tail in one graph; None here
+        (eager: the caller runs forward, then the head)."""
+        return None
 
     @torch.inference_mode()
     def forward(
