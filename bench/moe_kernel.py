@@ -2,7 +2,7 @@
 replaces (paged.model.ops.fused_moe), one Qwen3-30B-A3B layer's experts in bfloat16:
 
     python bench/moe_kernel.py [--tokens 1,8,64,256,2048] [--experts 128 --top-k 8
-                                --hidden 2048 --inter 768] [--sweep]
+                                --hidden 2048 --inter 768] [--sweep | --inline-routing]
 
 Needs CUDA (exits cleanly without it). Per token count: median time of each (triton's
 do_bench, L2 flushed), the kernel inside a CUDA graph (it has no host sync, so it can be
@@ -11,6 +11,10 @@ time, the relative error against the torch path. Results: bench/results/moe-kern
 `--sweep`: one token's two decode GEMVs (gate/up with SiLU per pair, then down summed) under
 every (BLOCK_N, BLOCK_K, warps), in a CUDA graph cycling through 8 routings so the experts come from
 HBM; prints the best beside the default (paged.kernels.moe.gemv_config, down_sum_config).
+`--inline-routing`: per token count (default 1,2,4,8), the decode path from router logits as
+three launches (moe_route, then the two GEMVs) against two (the GEMVs routing inline:
+fused_moe_from_logits), Qwen3-MoE's routing (renormalised, bf16 weights), in a CUDA graph
+cycling through 8 routings so the experts come from HBM; checks both give the same bits.
 """
 
 from __future__ import annotations
@@ -68,20 +72,74 @@ def sweep(e: int, k: int, h: int, i: int) -> None:
         print(f"{name}: best {top}; default {default} {d_us:.1f} us", flush=True)
 
 
+def routed_paths(x, w13, w2, routings: list[torch.Tensor], k: int) -> tuple[float, float, bool]:
+    """(us of moe_route + the two GEMVs, us of the two routing inline, same bits), a routing's
+    time: the mean over `routings` in one CUDA graph."""
+    from triton.testing import do_bench_cudagraph
+
+    from paged.kernels.moe import Route, _down_sum, _gate_up
+    from paged.kernels.moe_routing import moe_route
+
+    dt = x.dtype
+    act = x.new_empty(x.shape[0] * k, w13.shape[1] // 2)
+    out = torch.empty_like(x)
+
+    def three(logits):
+        weights, ids = moe_route(logits, k, True, dt)
+        _gate_up(x, w13, act, ids.view(-1), k)
+        _down_sum(act, w2, out, weights.view(-1), ids.view(-1), k)
+
+    def two(logits):
+        route = Route(logits, True, True)
+        _gate_up(x, w13, act, None, k, route=route)
+        _down_sum(act, w2, out, None, None, k, route=route)
+
+    outs, us = [], []
+    for path in (three, two):
+        outs.append([path(lg) or out.clone() for lg in routings])
+        run = lambda path=path: [path(lg) for lg in routings]
+        us.append(do_bench_cudagraph(run, rep=100, return_mode="median") / len(routings) * 1e3)
+    return us[0], us[1], all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def inline_routing(tokens: list[int], e: int, k: int, h: int, i: int) -> None:
+    from paged.kernels.moe import GEMV_MAX_PAIRS
+
+    dt, dev = torch.bfloat16, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt, generator=gen) * 0.02
+    w2 = torch.randn(e, h, i, device=dev, dtype=dt, generator=gen) * 0.02
+    print(f"{'tokens':>7} {'route+2 us':>10} {'inline us':>10} {'saved us':>9} {'same bits':>9}")
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, dtype=dt, generator=gen)
+        routings = [(2 * torch.randn(t, e, device=dev, generator=gen)).to(dt) for _ in range(8)]
+        three, two, same = routed_paths(x, w13, w2, routings, k)
+        note = "" if t * k <= GEMV_MAX_PAIRS else "  (engine: moe_route + grouped GEMM here)"
+        print(f"{t:>7} {three:>10.1f} {two:>10.1f} {three - two:>9.1f} {same!s:>9}{note}",
+              flush=True)  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1,8,64,256,2048")
+    ap.add_argument("--tokens", default=None, help="default 1,8,64,256,2048 (1,2,4,8 inline)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
-    ap.add_argument("--sweep", action="store_true")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true")
+    mode.add_argument("--inline-routing", action="store_true")
     args = ap.parse_args()
+    tokens = args.tokens or ("1,2,4,8" if args.inline_routing else "1,8,64,256,2048")
+    tokens = [int(t) for t in tokens.split(",")]
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
     if args.sweep:
         sweep(args.experts, args.top_k, args.hidden, args.inter)
+        return 0
+    if args.inline_routing:
+        inline_routing(tokens, args.experts, args.top_k, args.hidden, args.inter)
         return 0
     from common import write_results
     from triton.testing import do_bench, do_bench_cudagraph
@@ -100,7 +158,7 @@ def main() -> int:
     rows, figures = [], {}
     print(f"{'tokens':>7} {'experts hit':>11} {'triton us':>10} {'graph us':>9} "
           f"{'GB/s':>6} {'torch us':>9} {'speed-up':>8} {'rel err':>8}")  # fmt: skip
-    for t in (int(x) for x in args.tokens.split(",")):
+    for t in tokens:
         x = torch.randn(t, h, device=dev, dtype=dt, generator=gen)
         weights, ids = route(x @ gate.t(), k, renormalize=True, dtype=dt)
         hit = int(ids.unique().numel())

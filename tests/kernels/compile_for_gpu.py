@@ -166,6 +166,12 @@ def moe_and_lora() -> None:
         fused_moe(t(tokens, hidden), t(experts, 2 * inter, hidden), t(experts, hidden, inter),
                   t(tokens, top_k, dtype=torch.float32),
                   t(tokens, top_k, dtype=torch.int64))  # fmt: skip
+    from paged.kernels.moe import fused_moe_from_logits
+
+    for e, k, renormalize, dtype in ((128, 8, True, torch.bfloat16), (8, 2, False, None)):
+        # decode, routed inside the GEMVs: Qwen3-MoE's routing; float32 weights, unnormalised
+        fused_moe_from_logits(t(1, hidden), t(e, 2 * inter, hidden), t(e, hidden, inter),
+                              t(1, e), k, renormalize, dtype)  # fmt: skip
     import numpy as np
 
     from paged.kernels import lora_expand, lora_shrink

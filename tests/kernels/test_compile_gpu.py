@@ -36,4 +36,6 @@ def test_every_kernel_compiles_for_sm90():
                 "_apply_bitmask_kernel", "_gemma_rms_norm_kernel",
                 "_gelu_and_mul_kernel"}  # fmt: skip
     assert expected <= names, sorted(expected - names)
+    routed = {line.split()[1] for line in lines if "('ROUTE', True)" in line}
+    assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
     assert "kernel variants compiled for" in lines[-1]

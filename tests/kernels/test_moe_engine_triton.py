@@ -1,7 +1,8 @@
 """Qwen3-MoE through the GPU platforms' Triton op table (interpreted): the q/k head norm fused
-with the rotary, the one-kernel routing (top 3 of 5, unnormalised) and the decode GEMVs that
-sum a token's experts; greedy tokens equal HF's in float32. (The kernels' own tests, against
-torch, cover renormalised and float32 routing: tests/kernels/test_moe.py.)"""
+with the rotary, the routing (top 3 of 5, unnormalised) inside the decode GEMVs that sum a
+token's experts, the one-kernel routing before the grouped GEMM of prefill chunks; greedy
+tokens equal HF's in float32. (The kernels' own tests, against torch, cover renormalised and
+float32 routing: tests/kernels/test_moe.py, test_moe_inline_routing.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def test_triton_ops_match_hf(tmp_path, monkeypatch, interpreter_only):
     from transformers import AutoModelForCausalLM
 
     from paged import LLM, SamplingParams
-    from paged.kernels.moe_routing import moe_route as route
+    from paged.kernels import moe, moe_routing
 
     path = make_model("qwen3_moe_unnorm", str(tmp_path / "qwen3_moe"))
     for where in ("paged.engine.core", "paged.worker.worker"):
@@ -24,16 +25,29 @@ def test_triton_ops_match_hf(tmp_path, monkeypatch, interpreter_only):
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=32,
               max_model_len=64)  # fmt: skip
     try:
-        from paged.kernels import moe_routing
         from paged.model import ops
 
-        assert ops.get("moe_route").__module__ == "paged.kernels.ops"  # the Triton table
-        calls = []
-        monkeypatch.setattr(moe_routing, "moe_route", lambda *a: calls.append(1) or route(*a))
+        assert ops.get("fused_moe_from_logits").__module__ == "paged.kernels.ops"  # Triton's
+        inline, kernel = [], []  # tokens of each layer call: routed in the GEMVs / by moe_route
+        gate_up, moe_route = moe._gate_up, moe_routing.moe_route
+
+        def spy_gate_up(x, *args, route=None):
+            if route is not None:
+                inline.append(len(x))
+            return gate_up(x, *args, route=route)
+
+        def spy_route(logits, *args):
+            kernel.append(len(logits))
+            return moe_route(logits, *args)
+
+        monkeypatch.setattr(moe, "_gate_up", spy_gate_up)
+        monkeypatch.setattr(moe_routing, "moe_route", spy_route)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
-    assert calls  # the routing kernel ran
+    top_k = 3
+    assert 2 in inline and max(inline) * top_k <= moe.GEMV_MAX_PAIRS  # decode: inline routing
+    assert kernel and min(kernel) * top_k > moe.GEMV_MAX_PAIRS  # 16-token chunks: the kernel
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 5) for p in prompts]

@@ -8,17 +8,23 @@ bound known from T, k and E, so nothing waits for the device (CUDA graphs can ca
 blocks past the last expert's run exit at once. The k outputs of a token are summed last.
 Decode-sized steps (at most GEMV_MAX_PAIRS pairs) skip the sorting: matrix-vector products per
 pair and BLOCK_N outputs with silu-and-mul fused for gate/up, then one program per token and
-BLOCK_N outputs runs all k experts' down rows, weights them and sums them (three kernels in all
-with the routing: paged.kernels.moe_routing).
+BLOCK_N outputs runs all k experts' down rows, weights them and sums them. `fused_moe_from_logits`
+routes too: at decode sizes each program of the two GEMVs routes its token itself
+(moe_routing.route_top_k, from the router logits in L2), two launches where the routing kernel
+made three; larger steps run moe_route, then fused_moe.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import moe_routing
 from paged.kernels.fused import silu_and_mul
+from paged.kernels.moe_routing import route_top_k
 
 
 @triton.jit
@@ -86,23 +92,35 @@ def _pair_gemv(
     a_ptr,  # [T, K]: x (row = pair // TOP_K)
     b_ptr,  # [E, 2N, K]: the experts' gate rows, then up rows
     c_ptr,  # [T * top_k, N]: one output row per (token, choice) pair
-    ids_ptr,  # [T * top_k]: the expert of each pair
+    ids_ptr,  # [T * top_k]: the expert of each pair (unless ROUTE)
+    logits_ptr,  # [T, E]: router logits (ROUTE)
     N,
     K,
     stride_am,
     stride_be,
     stride_bn,
     stride_cm,
+    stride_l,
+    E,
     TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROUTE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Decode: one (token, choice) pair's BLOCK_N outputs of silu(gate) * up of its expert,
     matrix-vector products (no sorting by expert). [BLOCK_N, BLOCK_K] float32 accumulators
-    summed once at the end (no cross-lane sum per step)."""
+    summed once at the end (no cross-lane sum per step). ROUTE: the expert from the token's
+    router logits (route_top_k) instead of ids_ptr."""
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
     row = pair // TOP_K
+    if ROUTE:
+        _, ids = route_top_k(logits_ptr + row.to(tl.int64) * stride_l, E, TOP_K, K_PAD,
+                             BLOCK_E, False)  # fmt: skip
+        expert = tl.sum(tl.where(tl.arange(0, K_PAD) == pair % TOP_K, ids, 0), 0)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b_base = b_ptr + expert * stride_be
@@ -129,27 +147,44 @@ def _down_gemv_sum(
     a_ptr,  # [T * TOP_K, K]: the activations, one row per (token, choice) pair
     b_ptr,  # [E, N, K]: the experts' down projections
     c_ptr,  # [T, N]: per token, the sum over its k pairs
-    w_ptr,  # [T * TOP_K]: routing weights
-    ids_ptr,  # [T * TOP_K]: the expert of each pair
+    w_ptr,  # [T * TOP_K]: routing weights (unless ROUTE)
+    ids_ptr,  # [T * TOP_K]: the expert of each pair (unless ROUTE)
+    logits_ptr,  # [T, E]: router logits (ROUTE)
     N,
     K,
     stride_am,
     stride_be,
     stride_bn,
     stride_cm,
+    stride_l,
+    E,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    ROUTE: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    CAST_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Decode: BLOCK_N outputs of one token's down projection, all its k experts in one
     program ([K_PAD, BLOCK_N, BLOCK_K] tiles a step), each weighted, then summed: the k
-    outputs never leave the program (no [T, k, N] buffer and no separate sum)."""
+    outputs never leave the program (no [T, k, N] buffer and no separate sum). ROUTE: experts
+    and weights from the token's router logits (route_top_k), the weights rounded to the
+    output's dtype when CAST_W (as moe_route's dtype rounds them)."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, K_PAD)
     j_ok = j < TOP_K
     pairs = t * TOP_K + j
-    experts = tl.load(ids_ptr + pairs, mask=j_ok, other=0).to(tl.int64)
+    dtype = c_ptr.dtype.element_ty
+    if ROUTE:
+        w, experts = route_top_k(logits_ptr + t * stride_l, E, TOP_K, K_PAD, BLOCK_E,
+                                 RENORMALIZE)  # fmt: skip
+        if CAST_W:
+            w = w.to(dtype).to(tl.float32)
+    else:
+        experts = tl.load(ids_ptr + pairs, mask=j_ok, other=0).to(tl.int64)
+        w = tl.load(w_ptr + pairs, mask=j_ok, other=0.0).to(tl.float32)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     acc3 = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -162,8 +197,6 @@ def _down_gemv_sum(
                     mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
         b = tl.load(rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
         acc3 += b.to(tl.float32) * a[:, None, :]
-    dtype = c_ptr.dtype.element_ty
-    w = tl.load(w_ptr + pairs, mask=j_ok, other=0.0).to(tl.float32)
     # rounded as the per-pair path and HF round: the expert's output, then its weighted copy
     y = (tl.sum(acc3, axis=2).to(dtype).to(tl.float32) * w[:, None]).to(dtype).to(tl.float32)
     tl.store(c_ptr + t * stride_cm + cols, tl.sum(y, axis=0).to(dtype), mask=col_ok)
@@ -181,22 +214,44 @@ def down_sum_config(n: int, k: int) -> tuple[int, int, int]:
     return min(2, triton.next_power_of_2(n)), min(128, max(16, triton.next_power_of_2(k))), 4
 
 
-def _down_sum(a, b, c, weights, ids, top_k: int, config=None) -> None:
+class Route(NamedTuple):
+    """Routing inside the decode GEMVs: the router logits [T, E] and moe_route's options."""
+
+    logits: torch.Tensor
+    renormalize: bool
+    cast: bool  # weights rounded to the output's dtype (moe_route's dtype = x.dtype)
+
+
+def _routing(route: Route | None, top_k: int) -> dict[str, Any]:
+    """The GEMVs' routing arguments: from `route`, or none (ids and weights given)."""
+    k_pad = triton.next_power_of_2(top_k)
+    if route is None:
+        return dict(logits_ptr=None, stride_l=0, E=0, K_PAD=k_pad, BLOCK_E=1, ROUTE=False)
+    logits = route.logits
+    assert logits.stride(1) == 1 and top_k <= logits.shape[1] <= moe_routing.MAX_EXPERTS
+    return dict(logits_ptr=logits, stride_l=logits.stride(0), E=logits.shape[1], K_PAD=k_pad,
+                BLOCK_E=triton.next_power_of_2(logits.shape[1]), ROUTE=True)  # fmt: skip
+
+
+def _down_sum(a, b, c, weights, ids, top_k: int, cfg=None, route: Route | None = None) -> None:
     n, k = c.shape[1], a.shape[1]
-    block_n, block_k, warps = config or down_sum_config(n, k)
+    block_n, block_k, warps = cfg or down_sum_config(n, k)
     _down_gemv_sum[(c.shape[0], triton.cdiv(n, block_n))](
-        a, b, c, weights, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k,
+        a, b, c, weights, ids, N=n, K=k, stride_am=a.stride(0), stride_be=b.stride(0),
+        stride_bn=b.stride(1), stride_cm=c.stride(0), TOP_K=top_k, **_routing(route, top_k),
+        RENORMALIZE=route is not None and route.renormalize,
+        CAST_W=route is not None and route.cast, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps,
     )  # fmt: skip
 
 
-def _gate_up(a, b, c, ids, top_k: int, config=None) -> None:
+def _gate_up(a, b, c, ids, top_k: int, cfg=None, route: Route | None = None) -> None:
     n, k = c.shape[1], a.shape[1]
-    block_n, block_k, warps = config or gemv_config(n, k)
+    block_n, block_k, warps = cfg or gemv_config(n, k)
     _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
-        a, b, c, ids, n, k, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        a, b, c, ids, N=n, K=k, stride_am=a.stride(0), stride_be=b.stride(0),
+        stride_bn=b.stride(1), stride_cm=c.stride(0), TOP_K=top_k, **_routing(route, top_k),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
 
 
@@ -273,3 +328,29 @@ def fused_moe(
     down = x.new_empty(n_pairs, hidden)
     _gemm(act, w2, down, weights, pairs, block_expert, 1, block_m)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe_from_logits(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weight_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """fused_moe(x, w13, w2, *moe_route(router_logits, top_k, renormalize, weight_dtype)), to
+    the bit. Decode sizes (<= GEMV_MAX_PAIRS pairs) route inside the two GEMVs: one launch
+    fewer a layer (~2 us in a CUDA graph), the router logits read from L2 by every program."""
+    n_pairs = router_logits.shape[0] * top_k
+    cast = weight_dtype not in (None, torch.float32)
+    if not 0 < n_pairs <= GEMV_MAX_PAIRS or (cast and weight_dtype != x.dtype):
+        weights, ids = moe_routing.moe_route(router_logits, top_k, renormalize, weight_dtype)
+        return fused_moe(x, w13, w2, weights, ids)
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    route = Route(router_logits, renormalize, cast)
+    act = x.new_empty(n_pairs, w13.shape[1] // 2)
+    _gate_up(x, w13, act, None, top_k, route=route)
+    out = torch.empty_like(x)
+    _down_sum(act, w2, out, None, None, top_k, route=route)
+    return out

@@ -58,6 +58,12 @@ def _moe_route(logits, top_k, renormalize, dtype):
     return moe_route(logits, top_k, renormalize, dtype)
 
 
+def _fused_moe_from_logits(x, w13, w2, router_logits, top_k, renormalize, weight_dtype):
+    from paged.kernels.moe import fused_moe_from_logits
+
+    return fused_moe_from_logits(x, w13, w2, router_logits, top_k, renormalize, weight_dtype)
+
+
 def _fp8_linear(x, weight, scale, group_k, bias=None):
     from paged.kernels.fp8_gemm import fp8_linear
 
@@ -88,6 +94,7 @@ def triton_fused_ops() -> dict[str, Callable]:
         "gelu_and_mul": _gelu_and_mul,
         "moe_route": _moe_route,
         "fused_moe": kernels.fused_moe,
+        "fused_moe_from_logits": _fused_moe_from_logits,  # decode: routed inside the GEMVs
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,
         "lora_shrink": kernels.lora_shrink,

@@ -1,9 +1,10 @@
 """Mixture-of-Experts layers: softmax top-k routing and the experts of one layer, stacked.
 
 Each expert's gate and up projections are stacked into `w13` [E, 2*I, H] (gate rows first, as
-`silu_and_mul` splits them) and the down projections into `w2` [E, H, I]. The experts run
-through the overridable op `fused_moe` (paged.model.ops): a grouped torch loop by default, a
-Triton grouped GEMM on the GPU platforms. Under tensor parallelism every rank holds a column
+`silu_and_mul` splits them) and the down projections into `w2` [E, H, I]. Routing and experts
+run through the overridable op `fused_moe_from_logits` (paged.model.ops: `moe_route`, then
+`fused_moe`, a grouped torch loop by default; on the GPU platforms a Triton grouped GEMM, with
+the routing inside the decode GEMVs). Under tensor parallelism every rank holds a column
 slice [inter_start, inter_end) of every expert's gate/up and the matching columns of down; the
 router is replicated and the partial outputs are summed by the row-parallel all-reduce.
 """
@@ -60,8 +61,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype if self.weights_in_model_dtype else None
-        weights, ids = ops.get("moe_route")(self.gate(x), self.top_k, self.renormalize, dtype)
-        return tp_all_reduce(ops.get("fused_moe")(x, self.w13, self.w2, weights, ids))
+        moe = ops.get("fused_moe_from_logits")  # moe_route then fused_moe, maybe as one
+        out = moe(x, self.w13, self.w2, self.gate(x), self.top_k, self.renormalize, dtype)
+        return tp_all_reduce(out)
 
     # ---- weights ----------------------------------------------------------------------
     def load_expert(self, expert: int, part: int, full: torch.Tensor) -> None:

@@ -142,6 +142,22 @@ def fused_moe(
     return out
 
 
+def fused_moe_from_logits(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weight_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The MoE layer from its router logits [T, E]: moe_route, then fused_moe (the active ones,
+    a platform's own where it replaces them). One op so that a platform may route inside its
+    expert kernels (paged.kernels.moe routes in its decode GEMVs)."""
+    weights, ids = get("moe_route")(router_logits, top_k, renormalize, weight_dtype)
+    return get("fused_moe")(x, w13, w2, weights, ids)
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
     """Batched LoRA shrink: row t of the result is x[t] @ a[slot(t)]^T (zero for tokens without
     an adapter). x [T, K], a [slots, N, K]. `meta` (paged.lora.layers.LoRABatch): token
@@ -212,6 +228,7 @@ _DEFAULTS: dict[str, Callable] = {
     "apply_token_bitmask": apply_token_bitmask,  # structured outputs' mask (sampler)
     "moe_route": moe_route,  # softmax top-k routing (paged.model.moe)
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
+    "fused_moe_from_logits": fused_moe_from_logits,  # the two above in one op
     "fp8_linear": fp8_linear,  # quantized linears (paged.quantization): fp8 weights
     "int4_linear": int4_linear,  # AWQ / GPTQ int4 weights
     "lora_shrink": lora_shrink,  # multi-LoRA (paged.lora.layers)
