@@ -142,6 +142,9 @@ def quantized_linears() -> None:
 
     for config in ((8, 256, 1, 4), (4, 128, 4, 4)):  # one-row linears (paged_cuda.gemv_select)
         gemv_split_k(t(1, k), t(n, k), t(n), config, t(n, dtype=torch.int32))
+        # with the residual add and RMSNorm before it (add_rms_norm_linear)
+        gemv_split_k(t(1, k), t(n, k), None, config, t(n, dtype=torch.int32),
+                     norm=(t(1, k), t(k), 1e-6))  # fmt: skip
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)

@@ -38,4 +38,6 @@ def test_every_kernel_compiles_for_sm90():
     assert expected <= names, sorted(expected - names)
     routed = {line.split()[1] for line in lines if "('ROUTE', True)" in line}
     assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
+    normed = {line.split()[1] for line in lines if "('NORM', True)" in line}
+    assert normed == {"_gemv_split_k_kernel"}  # the norm folded into the one-row GEMV
     assert "kernel variants compiled for" in lines[-1]

@@ -104,3 +104,37 @@ def test_split_k_gemv_matches_linear(device, dtype, config, m, n, k, bias):
     _close(first.cpu(), want.to(dtype), 2e-3 if dtype == torch.float32 else 3e-2)
     assert int(counters.abs().sum()) == 0
     assert torch.equal(gemv_split_k(*args), first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [(4, 32, 1, 2), (8, 32, 3, 4), (16, 64, 4, 4)])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 48, 256, False), (2, 37, 200, True)])
+def test_split_k_gemv_with_the_norm_before_it(device, dtype, config, m, n, k, bias):
+    """The residual add and RMSNorm folded into the GEMV: equal to fused_add_rms_norm then the
+    linear (float32: up to the sums' order; bf16: the norm's output is not rounded to bf16
+    before the product, so within bf16's error), the new residual x + residual, the inputs
+    unchanged, the counters zero again and a second launch identical."""
+    from paged.kernels.gemv import gemv_split_k, split_k_counters
+    from paged.model.ops import fused_add_rms_norm
+
+    g = torch.Generator().manual_seed(n + k + config[2])
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    res = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    gain = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    normed, want_res = fused_add_rms_norm(x.float(), res.float(), gain.float(), 1e-5)
+    want = torch.nn.functional.linear(normed, w.float(), b.float() if bias else None)
+    counters = torch.zeros(split_k_counters(n, m, config), dtype=torch.int32, device=device)
+    dx, dres = x.to(device), res.to(device)
+    args = (dx, w.to(device), b.to(device) if bias else None, config, counters)
+    norm = (dres, gain.to(device), 1e-5)
+    out, new_res = gemv_split_k(*args, norm=norm)
+    _close(out.cpu(), want.to(dtype), 2e-5 if dtype == torch.float32 else 3e-2)
+    if dtype == torch.float32:
+        assert torch.equal(new_res.cpu(), want_res)
+    else:  # one bf16 step: the interpreter's float32 -> bf16 cast truncates
+        _close(new_res.cpu(), want_res.to(dtype), 2**-7)
+    assert torch.equal(dx.cpu(), x) and torch.equal(dres.cpu(), res)
+    assert int(counters.abs().sum()) == 0
+    again = gemv_split_k(*args, norm=norm)
+    assert torch.equal(again[0], out) and torch.equal(again[1], new_res)

@@ -48,8 +48,10 @@ def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
     lin = nn.Linear(64, 40, bias=True).to(device)
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     calls = []
-    real = gemv_select.gemv_split_k
-    monkeypatch.setattr(gemv_select, "gemv_split_k", lambda *a: calls.append(1) or real(*a))
+    from paged.kernels import gemv
+
+    real = gemv.gemv_split_k
+    monkeypatch.setattr(gemv, "gemv_split_k", lambda *a: calls.append(1) or real(*a))
     lin.forward = gemv_select.OneRowGemv(lin, (8, 32, 2, 4), counters)
     with torch.no_grad():
         for rows in (1, 3):
@@ -57,3 +59,39 @@ def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
             want = torch.nn.functional.linear(x, lin.weight, lin.bias)
             assert torch.allclose(lin(x), want, atol=1e-5, rtol=1e-5)
     assert calls == [1]  # the one-row call only
+
+
+def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter_only):
+    """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
+    steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
+    and greedy output equals HF's; prefill rows take F.linear and the separate norm."""
+    from test_hf_parity import hf_greedy
+    from test_long_prompt import TritonOnCpu
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams
+    from paged.kernels import gemv
+
+    class AllGemv(TritonOnCpu):
+        def prepare_model(self, model, config, source=None) -> None:
+            counters = torch.zeros(1024, dtype=torch.int32)
+            for mod in model.modules():
+                if type(mod) is nn.Linear:
+                    mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters)
+
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: AllGemv())
+    fused = []
+    real = gemv.gemv_split_k
+    monkeypatch.setattr(gemv, "gemv_split_k",
+                        lambda *a: fused.append(a[5] is not None) or real(*a))  # fmt: skip
+    path = tiny_models["llama"]
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=32)
+    prompt = torch.randint(2, 320, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    layers = len(llm.engine.runner.model.layers)
+    # four decode steps: both norms of every layer but the first layer's input norm (none)
+    assert sum(fused) == 4 * (2 * layers - 1)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert got == hf_greedy(hf, prompt, 5)

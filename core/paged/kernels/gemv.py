@@ -128,14 +128,21 @@ def gemv(
 @triton.jit
 def _gemv_split_k_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, stride_xm, stride_wn,
-    stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_om, res_ptr, g_ptr, res_out_ptr, ss_ptr, eps, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One row's BLOCK_N outputs over one of SPLIT slices of K. With SPLIT > 1 each program
     writes its float32 partial sums, and the last program of a block (counted atomically) adds
     the SPLIT partials in slice order, stores the block and resets its counter: one launch,
     more programs than output blocks (small-N projections fill the GPU), the same sums in the
-    same order whichever program finishes last."""
+    same order whichever program finishes last.
+
+    NORM: the input is RMSNorm(x + residual) * g, the residual add and the norm before a
+    projection in one launch. Each program multiplies the weight by s * g (s = x + residual,
+    rounded to x's dtype as the add would) and sums s^2 over its slice; the block's last
+    program scales the summed products by rsqrt(mean(s^2) + eps) from the slices' sums, so no
+    program reads the whole row. The programs of the first block write s (the new residual)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
@@ -144,24 +151,42 @@ def _gemv_split_k_kernel(
     x_row = x_ptr + row * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k_start = pid_s * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.load(res_ptr + row * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+            s = (a + r).to(x_ptr.dtype.element_ty)
+            if pid_n == 0:
+                tl.store(res_out_ptr + row * K + ks, s, mask=k_ok)
+            a = s.to(tl.float32)
+            sq += a * a
+            a = a * tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc2 += w.to(tl.float32) * a[None, :]
     acc = tl.sum(acc2, axis=1)
     if SPLIT == 1:
+        if NORM:
+            acc = acc * tl.rsqrt(tl.sum(sq, 0) / K + eps)
         _store_row(acc, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
     else:
         part = ws_ptr + row * SPLIT * N + cols
         tl.store(part + pid_s * N, acc, mask=col_ok)
         slot = row * tl.num_programs(0) + pid_n
+        if NORM:  # this slice's sum of squares, beside its block's partials
+            tl.store(ss_ptr + slot * SPLIT + pid_s, tl.sum(sq, 0))
         if tl.atomic_add(count_ptr + slot, 1) == SPLIT - 1:  # acq_rel: the partials visible
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(part + s * N, mask=col_ok, other=0.0, cache_modifier=".cg")
+            if NORM:
+                split = tl.arange(0, SPLIT_PAD)
+                ss = tl.load(ss_ptr + slot * SPLIT + split, mask=split < SPLIT, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+                total = total * tl.rsqrt(tl.sum(ss, 0) / K + eps)
             tl.atomic_xchg(count_ptr + slot, 0)
             _store_row(total, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
 
@@ -184,16 +209,39 @@ def gemv_split_k(
     bias: torch.Tensor | None,
     config: tuple[int, int, int, int],
     counters: torch.Tensor,
-) -> torch.Tensor:
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] @ weight [N, K]^T (+ bias) for 16/32-bit weights, K split over `config`'s
     (BLOCK_N, BLOCK_K, SPLIT, warps). `counters`: int32 zeros, at least split_k_counters();
-    every launch leaves them zero again (so they can be shared, and captured in a graph)."""
+    every launch leaves them zero again (so they can be shared, and captured in a graph).
+
+    `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x
+    (fused_add_rms_norm's arithmetic up to the order of the sums); returns (out, x + residual),
+    the new residual in a new tensor (the inputs are not changed)."""
     m, k = x.shape
     n = weight.shape[0]
     block_n, block_k, split, warps = config
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if norm is not None else out
     if m == 0:
-        return out
+        return out if norm is None else (out, res_out)
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    ws = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    assert split == 1 or counters.numel() >= split_k_counters(n, m, config)
+    res, g, eps = norm if norm is not None else (out, out, 0.0)
+    ss = out
+    if norm is not None:
+        assert res.shape == x.shape and res.is_contiguous() and x.stride(1) == 1
+        if split > 1:  # each slice's sum of squares, per output block
+            ss = torch.empty(split_k_counters(n, m, config) * split, dtype=torch.float32,
+                             device=x.device)  # fmt: skip
+    _gemv_split_k_kernel[(triton.cdiv(n, block_n), split, m)](
+        x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
+        weight.stride(0), out.stride(0), res, g, res_out, ss, eps, HAS_BIAS=bias is not None,
+        NORM=norm is not None, SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split),
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return out if norm is None else (out, res_out)
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     assert split == 1 or counters.numel() >= split_k_counters(n, m, config)
@@ -294,3 +342,22 @@ def fp8_gemv_dot(
         num_stages=stages,
     )  # fmt: skip
     return out
+
+
+class OneRowGemv:
+    """A Linear's forward on the split-K GEMV for one-row inputs (a measured choice: the CUDA
+    plugin's gemv_select installs it per weight shape), F.linear otherwise. With `norm` it
+    also runs the residual add and RMSNorm before the projection (gemv_split_k's `norm`)."""
+
+    def __init__(self, mod: torch.nn.Linear, config: tuple[int, int, int, int], counters) -> None:
+        self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+
+    def __call__(self, x: torch.Tensor, norm=None):
+        if self.takes(x):
+            return gemv_split_k(x, self.weight, self.bias, self.config, self.counters, norm)
+        assert norm is None, "the fused norm needs a one-row input"
+        return torch.nn.functional.linear(x, self.weight, self.bias)

@@ -34,6 +34,17 @@ def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False)
     return rotary_embedding(pos, q, k, cache, q.shape[-1], norm=norm, gemma_norm=gemma)
 
 
+def _add_rms_norm_linear(x, residual, weight, eps, linear):
+    """One kernel where the linear runs on the one-row GEMV (and the input is one row)."""
+    from paged.kernels.gemv import OneRowGemv
+    from paged.model.ops import add_rms_norm_linear
+
+    gemv = vars(linear).get("forward")  # installed on the module, not nn.Linear's method
+    if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
+        return gemv(x, norm=(residual, weight, eps))
+    return add_rms_norm_linear(x, residual, weight, eps, linear)
+
+
 def _gemma_rms_norm(x, weight, eps):
     from paged.kernels.gemma import gemma_rms_norm
 
@@ -85,6 +96,7 @@ def triton_fused_ops() -> dict[str, Callable]:
     return {
         "rms_norm": kernels.rms_norm,
         "fused_add_rms_norm": kernels.fused_add_rms_norm,
+        "add_rms_norm_linear": _add_rms_norm_linear,
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
         "qk_norm_rotary": _qk_norm_rotary,

@@ -52,11 +52,11 @@ class GemmaAttention(Attention):
             self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, rope
+    def from_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, rope
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t, d = x.shape[0], self.head_dim
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        t, d = qkv.shape[0], self.head_dim
         q = q.reshape(t, self.num_heads, d)
         k = k.reshape(t, self.num_kv_heads, d)
         v = v.reshape(t, self.num_kv_heads, d)

@@ -136,8 +136,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         rope,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t = x.shape[0]
+        return self.from_qkv(positions, self.qkv_proj(x), meta, rope)
+
+    def from_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, rope
+    ) -> torch.Tensor:
+        """The rest of forward after the QKV projection (whose input norm may be fused with
+        it: DecoderLayer)."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -166,7 +173,10 @@ class MLP(nn.Module):
         self.down_proj = linear(inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(self.down_proj(ops.get("silu_and_mul")(self.gate_up_proj(x))))
+        return self.from_gate_up(self.gate_up_proj(x))
+
+    def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return tp_all_reduce(self.down_proj(ops.get("silu_and_mul")(gate_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -178,14 +188,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual, meta, rope):
+        """Each residual add, the norm after it and the projection after that in one op
+        (add_rms_norm_linear: one kernel for a one-row GEMV on GPUs); an MLP other than the
+        dense one (mixture-of-experts) takes the normed input."""
+        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            qkv = attn.qkv_proj(self.input_layernorm(x))
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, rope)
+            qkv, residual = norm_linear(self.input_layernorm, x, residual, attn.qkv_proj)
+        x = attn.from_qkv(positions, qkv, meta, rope)
+        if type(mlp) is MLP:
+            gate_up, residual = norm_linear(self.post_attention_layernorm, x, residual,
+                                            mlp.gate_up_proj)  # fmt: skip
+            return mlp.from_gate_up(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return mlp(x), residual
+
+
+def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module):
+    """(linear(norm(x + residual)), x + residual)."""
+    return ops.get("add_rms_norm_linear")(x, residual, norm.weight, norm.eps, linear)
 
 
 class TiedHead(nn.Module):

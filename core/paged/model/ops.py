@@ -27,6 +27,16 @@ def fused_add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, linear
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(residual + x) * weight), residual + x): a pre-norm layer's residual
+    add, its norm and the projection after it (GPU platforms run one-row inputs as one
+    kernel: paged.kernels.gemv's OneRowGemv)."""
+    x, residual = get("fused_add_rms_norm")(x, residual, weight, eps)
+    return linear(x), residual
+
+
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm (HF's arithmetic): x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32,
     then cast to x's dtype."""
@@ -218,6 +228,7 @@ def apply_token_bitmask(
 _DEFAULTS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
+    "add_rms_norm_linear": add_rms_norm_linear,  # the norm and the projection after it
     "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
     "qk_norm_rotary": qk_norm_rotary,  # Qwen3 (paged.model.qwen3)

@@ -23,11 +23,11 @@ class Phi3Attention(Attention):
         super().__init__(cfg, backend, window)
         self.rot_dim = rot_dim
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, rope
+    def from_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, rope
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t, d, r = x.shape[0], self.head_dim, self.rot_dim
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        t, d, r = qkv.shape[0], self.head_dim, self.rot_dim
         q = q.reshape(t, self.num_heads, d)
         k = k.reshape(t, self.num_kv_heads, d)
         v = v.reshape(t, self.num_kv_heads, d)

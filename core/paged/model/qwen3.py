@@ -26,11 +26,11 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, rope
+    def from_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, rope
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        t, d = x.shape[0], self.head_dim
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        t, d = qkv.shape[0], self.head_dim
         q = q.view(t, self.num_heads, d)
         k = k.view(t, self.num_kv_heads, d)
         v = v.view(t, self.num_kv_heads, d)

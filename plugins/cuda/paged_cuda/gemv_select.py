@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
-from paged.kernels.gemv import gemv_split_k, split_k_counters
+from paged.kernels.gemv import OneRowGemv, gemv_split_k, split_k_counters
 
 log = logging.getLogger("paged")
 
@@ -75,18 +75,6 @@ def choose(
         if best <= MARGIN * base:
             chosen[(n, k)] = (config, best, base)
     return chosen
-
-
-class OneRowGemv:
-    """A Linear's forward: the chosen split-K GEMV for one-row inputs, cuBLAS otherwise."""
-
-    def __init__(self, mod: nn.Linear, config: tuple[int, int, int, int], counters) -> None:
-        self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1:
-            return gemv_split_k(x, self.weight, self.bias, self.config, self.counters)
-        return F.linear(x, self.weight, self.bias)
 
 
 def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
