@@ -95,3 +95,15 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter
     assert sum(fused) == 4 * (2 * layers - 1)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert got == hf_greedy(hf, prompt, 5)
+
+
+def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
+    """A decoder layer's QKV and dense gate/up projections follow a norm that the GEMV takes
+    in (so start-up times them with it); o_proj, down_proj and the head do not."""
+    from paged import LLM
+
+    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    want = {id(m) for layer in model.layers for m in (layer.self_attn.qkv_proj,
+                                                      layer.mlp.gate_up_proj)}  # fmt: skip
+    assert gemv_select.normed_linears(model) == want and len(want) == 2 * len(model.layers)

@@ -205,6 +205,11 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return mlp(x), residual
 
+    def normed_linears(self) -> list[nn.Module]:
+        """The projections whose input norm forward folds into them (add_rms_norm_linear)."""
+        mlp = [self.mlp.gate_up_proj] if type(self.mlp) is MLP else []
+        return [self.self_attn.qkv_proj, *mlp]
+
 
 def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module):
     """(linear(norm(x + residual)), x + residual)."""

@@ -89,26 +89,48 @@ def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     return shapes
 
 
+def normed_linears(model: nn.Module) -> set[int]:
+    """ids of the linears whose input is a residual add and RMSNorm that the GEMV takes in
+    (add_rms_norm_linear: a decoder layer's QKV and dense gate/up projections)."""
+    from paged.model.llama import DecoderLayer
+
+    return {id(lin) for layer in model.modules() if isinstance(layer, DecoderLayer)
+            for lin in layer.normed_linears()}  # fmt: skip
+
+
 def use_measured_gemv(model: nn.Module) -> None:
-    """Time and install the GEMV per weight shape where it beats cuBLAS at one row."""
+    """Time and install the GEMV per weight shape where it beats cuBLAS at one row. A shape
+    whose linears follow a norm is timed with it: cuBLAS after the norm's own kernel against
+    the GEMV with the norm folded in."""
+    from paged.model import ops
+
     shapes = dense_linears(model)
     if not shapes:
         return
     device = next(iter(shapes.values()))[0].weight.device
-    xs = {k: torch.randn(1, k, device=device, dtype=mods[0].weight.dtype)
-          for (_, k), mods in shapes.items()}  # fmt: skip
+    dtype = next(iter(shapes.values()))[0].weight.dtype
+    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
+    res = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
+    gain = {k: torch.rand(k, device=device, dtype=dtype) + 0.5 for _, k in shapes}
     most = max((split_k_counters(n, 1, c) for n, k in shapes for c in candidates(n, k)),
                default=1)  # fmt: skip
     counters = torch.zeros(most, dtype=torch.int32, device=device)
+    normed = normed_linears(model)
+    norm = ops.get("fused_add_rms_norm")
 
     def time_cublas(mods: list[nn.Linear]) -> float:
-        x = xs[mods[0].weight.shape[1]]
+        k = mods[0].weight.shape[1]
+        x, r, g = xs[k].clone(), res[k].clone(), gain[k]
+        if id(mods[0]) in normed:  # (the norm updates x and r in place: no matter here)
+            return graph_time([lambda m=m: F.linear(norm(x, r, g, 1e-6)[0], m.weight, m.bias)
+                               for m in mods])  # fmt: skip
         return graph_time([lambda m=m: F.linear(x, m.weight, m.bias) for m in mods])
 
     def time_gemv(mods: list[nn.Linear], config) -> float:
-        x = xs[mods[0].weight.shape[1]]
-        return graph_time([lambda m=m: gemv_split_k(x, m.weight, m.bias, config, counters)
-                           for m in mods])  # fmt: skip
+        k = mods[0].weight.shape[1]
+        folded = (res[k], gain[k], 1e-6) if id(mods[0]) in normed else None
+        return graph_time([lambda m=m: gemv_split_k(xs[k], m.weight, m.bias, config, counters,
+                                                    folded) for m in mods])  # fmt: skip
 
     with torch.inference_mode():
         chosen = choose(shapes, time_cublas, time_gemv)
