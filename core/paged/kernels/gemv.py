@@ -242,15 +242,6 @@ def gemv_split_k(
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return out if norm is None else (out, res_out)
-    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    ws = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    assert split == 1 or counters.numel() >= split_k_counters(n, m, config)
-    _gemv_split_k_kernel[(triton.cdiv(n, block_n), split, m)](
-        x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-    )  # fmt: skip
-    return out
 
 
 @triton.jit
