@@ -14,7 +14,11 @@ HBM; prints the best beside the default (paged.kernels.moe.gemv_config, down_sum
 `--inline-routing`: per token count (default 1,2,4,8), the decode path from router logits as
 three launches (moe_route, then the two GEMVs) against two (the GEMVs routing inline:
 fused_moe_from_logits), Qwen3-MoE's routing (renormalised, bf16 weights), in a CUDA graph
-cycling through 8 routings so the experts come from HBM; checks both give the same bits.
+cycling through 8 routings so the experts come from HBM; checks both give the same bits. Then
+one token's post-attention residual add + RMSNorm, router and experts: the norm kernel, the
+router (cuBLAS, or the split-K GEMV under the config gemv_select would time best) and the two
+GEMVs, against the router's GEMV and the gate/up GEMV with the norm folded in
+(add_rms_norm_moe: one launch fewer), 8 inputs in one CUDA graph.
 """
 
 from __future__ import annotations
@@ -119,6 +123,70 @@ def inline_routing(tokens: list[int], e: int, k: int, h: int, i: int) -> None:
               flush=True)  # fmt: skip
 
 
+def norm_folded(e: int, k: int, h: int, i: int) -> None:
+    """One token: norm kernel + router + experts (routing inline) against the norm folded into
+    the router's GEMV and the experts' gate/up GEMV; us per input, the mean over 8 inputs in
+    one CUDA graph (the experts from HBM), and the folded output's difference from the norm's."""
+    from triton.testing import do_bench_cudagraph
+
+    from paged.kernels import fused_add_rms_norm
+    from paged.kernels.gemv import gemv_split_k, split_k_counters
+    from paged.kernels.moe import fused_moe_from_logits
+    from paged.kernels.moe_routing import moe_route
+    from paged_cuda.gemv_select import candidates
+
+    dt, dev, eps = torch.bfloat16, "cuda", 1e-6
+    gen = torch.Generator(device=dev).manual_seed(1)
+    rand = partial(torch.randn, device=dev, dtype=dt, generator=gen)
+    w13, w2, gate = rand(e, 2 * i, h) * 0.02, rand(e, h, i) * 0.02, rand(e, h) * 0.05
+    gain = rand(h).abs() + 0.5
+    inputs = [(rand(1, h), 4 * rand(1, h)) for _ in range(8)]  # (x, residual)
+    configs = candidates(e, h)
+    counters = torch.zeros(max(split_k_counters(e, 1, c) for c in configs), dtype=torch.int32,
+                           device=dev)  # fmt: skip
+
+    def router(config, x, norm=None):  # config None: cuBLAS
+        if config is None:
+            return torch.nn.functional.linear(x, gate)
+        return gemv_split_k(x, gate, None, config, counters, norm)
+
+    def separate(config, x, r):  # the norm kernel in place, as the engine runs it
+        normed, _ = fused_add_rms_norm(x, r, gain, eps)
+        return fused_moe_from_logits(normed, w13, w2, router(config, normed), k, True, dt)
+
+    def normed_router(config, x, r):  # (logits, new residual)
+        return router(config, x, (r, gain, eps))
+
+    def folded(config, x, r):
+        logits, _ = normed_router(config, x, r)
+        return fused_moe_from_logits(x, w13, w2, logits, k, True, dt, norm=(r, gain, eps))
+
+    def us(path, config) -> float:
+        # copies: the separate norm updates them in place (their values drift over the
+        # replays, which moves the routing, not the bytes read)
+        xs = [(x.clone(), r.clone()) for x, r in inputs]
+        run = lambda: [path(config, x, r) for x, r in xs]  # noqa: E731
+        return do_bench_cudagraph(run, rep=100, return_mode="median") / len(xs) * 1e3
+
+    # the router's config as gemv_select chooses it for a linear after a norm: timed with it
+    config = min(configs, key=lambda c: us(normed_router, c))
+    times = [us(separate, None), us(separate, config), us(folded, config)]
+    same, diff = 0, 0.0  # folded vs norm + GEMV router, where both route to the same experts
+    for x, r in inputs:
+        normed, _ = fused_add_rms_norm(x.clone(), r.clone(), gain, eps)
+        ids = [moe_route(lg, k, True, dt)[1] for lg in (normed_router(config, x, r)[0],
+                                                          router(config, normed))]  # fmt: skip
+        if torch.equal(*ids):
+            got, want = folded(config, x, r).float(), separate(config, x.clone(), r.clone())
+            diff = max(diff, ((got - want.float()).abs().max() / want.abs().max()).item())
+            same += 1
+    print(f"\none token, add + norm + router + experts (router GEMV {config}): norm + cuBLAS "
+          f"router {times[0]:.1f} us, norm + GEMV router {times[1]:.1f} us, folded "
+          f"{times[2]:.1f} us (saved {min(times[:2]) - times[2]:.1f} us); folded vs norm + GEMV: "
+          f"the same experts for {same}/{len(inputs)} inputs, max diff {diff:.1e} of the "
+          f"output's max there (the normed input is not rounded to bf16)", flush=True)  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default=None, help="default 1,8,64,256,2048 (1,2,4,8 inline)")
@@ -140,6 +208,7 @@ def main() -> int:
         return 0
     if args.inline_routing:
         inline_routing(tokens, args.experts, args.top_k, args.hidden, args.inter)
+        norm_folded(args.experts, args.top_k, args.hidden, args.inter)
         return 0
     from common import write_results
     from triton.testing import do_bench, do_bench_cudagraph

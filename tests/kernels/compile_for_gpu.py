@@ -175,6 +175,10 @@ def moe_and_lora() -> None:
         # decode, routed inside the GEMVs: Qwen3-MoE's routing; float32 weights, unnormalised
         fused_moe_from_logits(t(1, hidden), t(e, 2 * inter, hidden), t(e, hidden, inter),
                               t(1, e), k, renormalize, dtype)  # fmt: skip
+    # Qwen3-MoE's decode with the residual add and RMSNorm before it folded in (add_rms_norm_moe)
+    fused_moe_from_logits(t(1, hidden), t(128, 2 * inter, hidden), t(128, hidden, inter),
+                          t(1, 128), 8, True, torch.bfloat16,
+                          norm=(t(1, hidden), t(hidden), 1e-6))  # fmt: skip
     import numpy as np
 
     from paged.kernels import lora_expand, lora_shrink

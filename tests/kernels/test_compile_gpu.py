@@ -39,5 +39,7 @@ def test_every_kernel_compiles_for_sm90():
     routed = {line.split()[1] for line in lines if "('ROUTE', True)" in line}
     assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
     normed = {line.split()[1] for line in lines if "('NORM', True)" in line}
-    assert normed == {"_gemv_split_k_kernel"}  # the norm folded into the one-row GEMV
+    assert normed == {"_gemv_split_k_kernel", "_pair_gemv"}  # the norm folded into GEMVs
+    both = {line.split()[1] for line in lines if "('NORM', True), ('ROUTE', True)" in line}
+    assert both == {"_pair_gemv"}  # MoE decode: the gate/up GEMV routes and norms its input
     assert "kernel variants compiled for" in lines[-1]

@@ -107,3 +107,54 @@ def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
     want = {id(m) for layer in model.layers for m in (layer.self_attn.qkv_proj,
                                                       layer.mlp.gate_up_proj)}  # fmt: skip
     assert gemv_select.normed_linears(model) == want and len(want) == 2 * len(model.layers)
+
+
+def test_the_moe_norm_folds_into_the_router_and_expert_gemvs(tmp_path, monkeypatch,
+                                                              interpreter_only):  # fmt: skip
+    """Qwen3-MoE (layer 0 dense, layer 1 experts) with every linear on the one-row GEMV: at
+    decode the post-attention norm of the sparse layer runs inside its router's GEMV and its
+    experts' gate/up GEMV (add_rms_norm_moe), the only norm kernel left the final one; the
+    router is timed with its norm at start-up; greedy output equals HF's."""
+    from test_hf_parity import hf_greedy
+    from test_long_prompt import TritonOnCpu
+    from test_models_qwen3_moe import make_model
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams, kernels
+    from paged.kernels import gemv, moe
+
+    class AllGemv(TritonOnCpu):
+        def prepare_model(self, model, config, source=None) -> None:
+            counters = torch.zeros(1024, dtype=torch.int32)
+            for mod in model.modules():
+                if type(mod) is nn.Linear:
+                    mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters)
+
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: AllGemv())
+    router, experts, norms = [], [], []  # per call: the norm folded in / a norm kernel's rows
+    split_k, gate_up, norm_kernel = gemv.gemv_split_k, moe._gate_up, kernels.fused_add_rms_norm
+    monkeypatch.setattr(gemv, "gemv_split_k",
+                        lambda *a: router.append(a[5] is not None) or split_k(*a))  # fmt: skip
+    monkeypatch.setattr(moe, "_gate_up", lambda *a, norm=None, **kw: experts.append(
+        norm is not None) or gate_up(*a, norm=norm, **kw))  # fmt: skip
+    monkeypatch.setattr(kernels, "fused_add_rms_norm",
+                        lambda x, *a: norms.append(len(x)) or norm_kernel(x, *a))  # fmt: skip
+    path = make_model("qwen3_moe", str(tmp_path / "qwen3_moe"))
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=32)
+    try:
+        prompt = list(range(5, 14))
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        model = llm.engine.runner.model
+        dense, sparse = model.layers
+        want = {dense.self_attn.qkv_proj, dense.mlp.gate_up_proj, sparse.self_attn.qkv_proj,
+                sparse.mlp.gate}  # fmt: skip
+        assert gemv_select.normed_linears(model) == {id(m) for m in want}
+    finally:
+        llm.engine.shutdown()
+    # four decode steps, each: dense gate/up, layer 1's QKV and router with their norms folded
+    assert sum(router) == 4 * 3 and sum(experts) == 4  # and the sparse layer's gate/up
+    assert norms == [9] * 4 + [1] * 4  # prefill: every add's norm; decode: the final one only
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert got == hf_greedy(hf, prompt, 5)

@@ -31,10 +31,10 @@ def test_triton_ops_match_hf(tmp_path, monkeypatch, interpreter_only):
         inline, kernel = [], []  # tokens of each layer call: routed in the GEMVs / by moe_route
         gate_up, moe_route = moe._gate_up, moe_routing.moe_route
 
-        def spy_gate_up(x, *args, route=None):
+        def spy_gate_up(x, *args, route=None, **kw):
             if route is not None:
                 inline.append(len(x))
-            return gate_up(x, *args, route=route)
+            return gate_up(x, *args, route=route, **kw)
 
         def spy_route(logits, *args):
             kernel.append(len(logits))

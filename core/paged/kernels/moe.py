@@ -11,7 +11,8 @@ pair and BLOCK_N outputs with silu-and-mul fused for gate/up, then one program p
 BLOCK_N outputs runs all k experts' down rows, weights them and sums them. `fused_moe_from_logits`
 routes too: at decode sizes each program of the two GEMVs routes its token itself
 (moe_routing.route_top_k, from the router logits in L2), two launches where the routing kernel
-made three; larger steps run moe_route, then fused_moe.
+made three; larger steps run moe_route, then fused_moe. With `norm` the residual add and
+RMSNorm before the layer are folded into the gate/up GEMV as well (add_rms_norm_moe).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import moe_routing
-from paged.kernels.fused import silu_and_mul
+from paged.kernels.fused import rms_norm, silu_and_mul
 from paged.kernels.moe_routing import route_top_k
 
 
@@ -94,6 +95,9 @@ def _pair_gemv(
     c_ptr,  # [T * top_k, N]: one output row per (token, choice) pair
     ids_ptr,  # [T * top_k]: the expert of each pair (unless ROUTE)
     logits_ptr,  # [T, E]: router logits (ROUTE)
+    res_ptr,  # [T, K]: the residual (NORM)
+    g_ptr,  # [K]: the norm's gain (NORM)
+    eps,
     N,
     K,
     stride_am,
@@ -101,18 +105,26 @@ def _pair_gemv(
     stride_bn,
     stride_cm,
     stride_l,
+    stride_rm,
     E,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
     ROUTE: tl.constexpr,
+    NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Decode: one (token, choice) pair's BLOCK_N outputs of silu(gate) * up of its expert,
     matrix-vector products (no sorting by expert). [BLOCK_N, BLOCK_K] float32 accumulators
     summed once at the end (no cross-lane sum per step). ROUTE: the expert from the token's
-    router logits (route_top_k) instead of ids_ptr."""
+    router logits (route_top_k) instead of ids_ptr.
+
+    NORM: the input is rms_norm(x + residual) * g (add_rms_norm_moe). Each step multiplies
+    the weights by s * g (s = x + residual rounded to x's dtype, as the add rounds it) and
+    adds s^2 to the row's sum of squares from the values it loaded anyway (the program
+    covers all of K: no second pass, nothing before the first weight load); the sums are
+    scaled by rsqrt(mean(s^2) + eps) once at the end."""
     pair = tl.program_id(0)
     row = pair // TOP_K
     if ROUTE:
@@ -126,19 +138,30 @@ def _pair_gemv(
     b_base = b_ptr + expert * stride_be
     gate2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + row * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            r = tl.load(res_ptr + row * stride_rm + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = (a + r).to(a_ptr.dtype.element_ty).to(tl.float32)
+            sq += a * a
+            a = a * tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         tile = b_base + cols[:, None] * stride_bn + ks[None, :]
         ok = col_ok[:, None] & k_ok[None, :]
         gate2 += tl.load(tile, mask=ok, other=0.0).to(tl.float32) * a[None, :]
         up2 += tl.load(tile + N * stride_bn, mask=ok, other=0.0).to(tl.float32) * a[None, :]
+    gate = tl.sum(gate2, axis=1)
+    up = tl.sum(up2, axis=1)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        gate, up = gate * inv, up * inv
     dtype = c_ptr.dtype.element_ty
     # rounded where HF's bf16 activations round: gate, up, silu(gate), product
-    gate = tl.sum(gate2, axis=1).to(dtype).to(tl.float32)
+    gate = gate.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    acc = act * tl.sum(up2, axis=1).to(dtype).to(tl.float32)
+    acc = act * up.to(dtype).to(tl.float32)
     tl.store(c_ptr + pair * stride_cm + cols, acc.to(dtype), mask=col_ok)
 
 
@@ -222,6 +245,9 @@ class Route(NamedTuple):
     cast: bool  # weights rounded to the output's dtype (moe_route's dtype = x.dtype)
 
 
+Norm = tuple[torch.Tensor, torch.Tensor, float]  # an RMSNorm folded in: (residual, gain, eps)
+
+
 def _routing(route: Route | None, top_k: int) -> dict[str, Any]:
     """The GEMVs' routing arguments: from `route`, or none (ids and weights given)."""
     k_pad = triton.next_power_of_2(top_k)
@@ -245,13 +271,20 @@ def _down_sum(a, b, c, weights, ids, top_k: int, cfg=None, route: Route | None =
     )  # fmt: skip
 
 
-def _gate_up(a, b, c, ids, top_k: int, cfg=None, route: Route | None = None) -> None:
+def _gate_up(a, b, c, ids, top_k: int, cfg=None, route: Route | None = None,
+             norm: Norm | None = None) -> None:  # fmt: skip
+    """`norm`: the input is rms_norm(a + residual) * gain (_pair_gemv's NORM)."""
     n, k = c.shape[1], a.shape[1]
     block_n, block_k, warps = cfg or gemv_config(n, k)
+    res, g, eps = norm if norm is not None else (None, None, 0.0)
+    if res is not None:
+        assert res.shape == a.shape and res.stride(1) == 1 and g.is_contiguous()
     _pair_gemv[(c.shape[0], triton.cdiv(n, block_n))](
-        a, b, c, ids, N=n, K=k, stride_am=a.stride(0), stride_be=b.stride(0),
-        stride_bn=b.stride(1), stride_cm=c.stride(0), TOP_K=top_k, **_routing(route, top_k),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        a, b, c, ids, res_ptr=res, g_ptr=g, eps=eps, N=n, K=k, stride_am=a.stride(0),
+        stride_be=b.stride(0), stride_bn=b.stride(1), stride_cm=c.stride(0),
+        stride_rm=res.stride(0) if res is not None else 0, TOP_K=top_k,
+        **_routing(route, top_k), NORM=res is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps,
     )  # fmt: skip
 
 
@@ -338,19 +371,28 @@ def fused_moe_from_logits(
     top_k: int,
     renormalize: bool,
     weight_dtype: torch.dtype | None,
+    norm: Norm | None = None,
 ) -> torch.Tensor:
     """fused_moe(x, w13, w2, *moe_route(router_logits, top_k, renormalize, weight_dtype)), to
     the bit. Decode sizes (<= GEMV_MAX_PAIRS pairs) route inside the two GEMVs: one launch
-    fewer a layer (~2 us in a CUDA graph), the router logits read from L2 by every program."""
+    fewer a layer (~2 us in a CUDA graph), the router logits read from L2 by every program.
+
+    `norm` (residual, g, eps): the experts' input is rms_norm(x + residual) * g instead of x
+    (add_rms_norm_moe), folded into the gate/up GEMV at decode sizes (one norm kernel fewer;
+    the normed input is not rounded to x's dtype, as gemv_split_k's norm) and run first
+    otherwise. Neither x nor the residual is changed."""
     n_pairs = router_logits.shape[0] * top_k
     cast = weight_dtype not in (None, torch.float32)
     if not 0 < n_pairs <= GEMV_MAX_PAIRS or (cast and weight_dtype != x.dtype):
+        if norm is not None:
+            residual, g, eps = norm
+            x = rms_norm(x + residual, g, eps)
         weights, ids = moe_routing.moe_route(router_logits, top_k, renormalize, weight_dtype)
         return fused_moe(x, w13, w2, weights, ids)
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     route = Route(router_logits, renormalize, cast)
     act = x.new_empty(n_pairs, w13.shape[1] // 2)
-    _gate_up(x, w13, act, None, top_k, route=route)
+    _gate_up(x, w13, act, None, top_k, route=route, norm=norm)
     out = torch.empty_like(x)
     _down_sum(act, w2, out, None, None, top_k, route=route)
     return out

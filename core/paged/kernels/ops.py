@@ -10,6 +10,7 @@ not import triton.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from importlib.util import find_spec
 
 import torch
@@ -43,6 +44,23 @@ def _add_rms_norm_linear(x, residual, weight, eps, linear):
     if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
         return gemv(x, norm=(residual, weight, eps))
     return add_rms_norm_linear(x, residual, weight, eps, linear)
+
+
+def _add_rms_norm_moe(x, residual, weight, eps, moe):
+    """Decode, where the router runs on the one-row GEMV: no norm kernel. The router's GEMV
+    folds the add and the norm in and writes the new residual; the experts' gate/up GEMV
+    folds them in again from x and the residual (fused_moe_from_logits' `norm`)."""
+    from paged.kernels.gemv import OneRowGemv
+    from paged.kernels.moe import fused_moe_from_logits
+    from paged.model.moe import SparseMoE
+    from paged.model.ops import add_rms_norm_moe
+
+    gemv = vars(moe.gate).get("forward") if isinstance(moe, SparseMoE) else None
+    if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
+        norm = (residual, weight, eps)
+        logits, new_residual = gemv(x, norm=norm)
+        return moe.from_logits(x, logits, partial(fused_moe_from_logits, norm=norm)), new_residual
+    return add_rms_norm_moe(x, residual, weight, eps, moe)
 
 
 def _gemma_rms_norm(x, weight, eps):
@@ -97,6 +115,7 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rms_norm": kernels.rms_norm,
         "fused_add_rms_norm": kernels.fused_add_rms_norm,
         "add_rms_norm_linear": _add_rms_norm_linear,
+        "add_rms_norm_moe": _add_rms_norm_moe,  # decode: folded into the router and gate/up
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
         "qk_norm_rotary": _qk_norm_rotary,

@@ -190,7 +190,8 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, meta, rope):
         """Each residual add, the norm after it and the projection after that in one op
         (add_rms_norm_linear: one kernel for a one-row GEMV on GPUs); an MLP other than the
-        dense one (mixture-of-experts) takes the normed input."""
+        dense one (a mixture of experts) likewise, after the norm (add_rms_norm_moe: folded
+        into its router and expert GEMVs at decode on GPUs)."""
         attn, mlp = self.self_attn, self.mlp
         if residual is None:
             residual = x
@@ -202,13 +203,14 @@ class DecoderLayer(nn.Module):
             gate_up, residual = norm_linear(self.post_attention_layernorm, x, residual,
                                             mlp.gate_up_proj)  # fmt: skip
             return mlp.from_gate_up(gate_up), residual
-        x, residual = self.post_attention_layernorm(x, residual)
-        return mlp(x), residual
+        norm = self.post_attention_layernorm
+        return ops.get("add_rms_norm_moe")(x, residual, norm.weight, norm.eps, mlp)
 
     def normed_linears(self) -> list[nn.Module]:
-        """The projections whose input norm forward folds into them (add_rms_norm_linear)."""
-        mlp = [self.mlp.gate_up_proj] if type(self.mlp) is MLP else []
-        return [self.self_attn.qkv_proj, *mlp]
+        """The projections whose input norm forward folds into them (add_rms_norm_linear; a
+        mixture of experts' router: add_rms_norm_moe)."""
+        mlp = self.mlp.gate_up_proj if type(self.mlp) is MLP else getattr(self.mlp, "gate", None)
+        return [self.self_attn.qkv_proj, *([mlp] if mlp is not None else [])]
 
 
 def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module):

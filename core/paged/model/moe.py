@@ -12,7 +12,7 @@ router is replicated and the partial outputs are summed by the row-parallel all-
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import ClassVar
 
 import torch
@@ -60,10 +60,17 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.from_logits(x, self.gate(x))
+
+    def from_logits(
+        self, x: torch.Tensor, logits: torch.Tensor, experts: Callable | None = None
+    ) -> torch.Tensor:
+        """The rest of forward after the router (whose input norm may be fused with it:
+        add_rms_norm_moe). `experts`: a kernel with fused_moe_from_logits' arguments in place of
+        that op (the Triton add_rms_norm_moe's, the norm folded in)."""
         dtype = x.dtype if self.weights_in_model_dtype else None
-        moe = ops.get("fused_moe_from_logits")  # moe_route then fused_moe, maybe as one
-        out = moe(x, self.w13, self.w2, self.gate(x), self.top_k, self.renormalize, dtype)
-        return tp_all_reduce(out)
+        moe = experts or ops.get("fused_moe_from_logits")  # moe_route then fused_moe, maybe as one
+        return tp_all_reduce(moe(x, self.w13, self.w2, logits, self.top_k, self.renormalize, dtype))
 
     # ---- weights ----------------------------------------------------------------------
     def load_expert(self, expert: int, part: int, full: torch.Tensor) -> None:

@@ -37,6 +37,16 @@ def add_rms_norm_linear(
     return linear(x), residual
 
 
+def add_rms_norm_moe(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, moe
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(moe(rms_norm(residual + x) * weight), residual + x): a pre-norm layer's residual add,
+    its norm and the mixture of experts after it (paged.model.moe.SparseMoE). GPU platforms
+    fold the norm into the router's one-row GEMV and the experts' gate/up GEMV at decode."""
+    x, residual = get("fused_add_rms_norm")(x, residual, weight, eps)
+    return moe(x), residual
+
+
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm (HF's arithmetic): x * rsqrt(mean(x^2) + eps) * (1 + w), all in float32,
     then cast to x's dtype."""
@@ -229,6 +239,7 @@ _DEFAULTS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "add_rms_norm_linear": add_rms_norm_linear,  # the norm and the projection after it
+    "add_rms_norm_moe": add_rms_norm_moe,  # the norm and the mixture of experts after it
     "rotary_prepare": rotary_prepare,
     "rotary_embedding": rotary_embedding,
     "qk_norm_rotary": qk_norm_rotary,  # Qwen3 (paged.model.qwen3)
