@@ -18,6 +18,7 @@ import pytest
 from reliability_helpers import TINY_ARGS, check_error, start_server, stop_server
 
 from paged.server.app import Guard
+from paged.server.limits import timed_protocol
 
 FLAGS = ["--idle-timeout", "2", "--body-timeout", "2", "--health-timeout", "2",
          "--max-prompt-chars", "3000000", "--max-request-body", "16MiB"]  # fmt: skip
@@ -70,6 +71,67 @@ def test_silent_and_slow_connections_are_closed(srv):
         for s in [*silent, slow_head, slow_body]:
             s.close()
     assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+
+
+def test_timed_protocol_is_httptools_when_installed():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    assert issubclass(timed_protocol(2, "h11"), H11Protocol)
+    pytest.importorskip("httptools")
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    assert issubclass(timed_protocol(2), HttpToolsProtocol)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_idle_timeout_of_each_protocol(http):
+    """Silent, half-sent and finished-then-silent connections are closed after the idle
+    timeout; one whose response is still being written is not."""
+    if http == "httptools":
+        pytest.importorskip("httptools")
+    import uvicorn
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/slow":  # a stream that outlives the idle timeout
+            for _ in range(6):
+                await send({"type": "http.response.body", "body": b"x", "more_body": True})
+                await asyncio.sleep(0.2)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = uvicorn.Config(app, http=timed_protocol(0.5, http), loop="asyncio",
+                            lifespan="off", log_level="warning")  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        silent, half, done, busy = (_connect(url) for _ in range(4))
+        half.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        done.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        busy.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()
+        assert _closed_by_server(silent, 3) and _closed_by_server(half, 3)
+        assert _closed_by_server(done, 3)  # its response, then the close
+        assert time.monotonic() - t0 < 2.5
+        busy.settimeout(3)
+        got = b""
+        while not got.endswith(b"0\r\n\r\n"):  # the whole chunked body, not cut at 0.5 s
+            data = busy.recv(65536)
+            assert data, got
+            got += data
+        assert b"ok" in got
+        for s in (silent, half, done, busy):
+            s.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def test_open_file_limit_raised(srv):

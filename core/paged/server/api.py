@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 from paged.config import EngineConfig, parse_bytes
@@ -188,11 +188,21 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return 2
     api_key = args.api_key or os.environ.get("PAGED_API_KEY") or None
     try:
-        return asyncio.run(_serve(config, args, api_key, faults, fleet))
+        return run_loop(_serve(config, args, api_key, faults, fleet))
     except SystemExit as e:  # uvicorn exits this way when it cannot bind
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         return 130
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run `main` on uvloop's event loop when installed (as vLLM does), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 def parsing_options(args: argparse.Namespace) -> Any:
@@ -260,7 +270,7 @@ async def _serve(
     from paged.engine.replicas import make_engine
     from paged.server.app import ServerState, build_app
     from paged.server.http_options import with_cors
-    from paged.server.limits import raise_fd_limit, timed_h11_protocol
+    from paged.server.limits import raise_fd_limit, timed_protocol
     from paged.server.metrics import ServerMetrics, cache_config_labels
     from paged.server.request_log import StatsLogger, request_logger
     from paged.server.serving import Serving
@@ -331,17 +341,18 @@ async def _serve(
     state.body_timeout, state.health_timeout = args.body_timeout, args.health_timeout
     state.max_stored_responses = args.max_stored_responses
     raise_fd_limit()
+    http = timed_protocol(args.idle_timeout)  # httptools when installed, else h11
+    loop = asyncio.get_running_loop()
+    log.info("HTTP: %s on %s", http.__name__, type(loop).__module__.split(".")[0])
     uv = uvicorn.Config(
         with_cors(with_trace_context(build_app(state), tracer), args),
         host=args.host,
         port=args.port,
-        http=timed_h11_protocol(args.idle_timeout),
+        http=http,
         timeout_graceful_shutdown=1,  # after our own drain (see on_signal): then cut
         lifespan="off",
         **uvicorn_options(args),  # log level, root path, TLS
     )
-
-    loop = asyncio.get_running_loop()
     tasks: list[asyncio.Task] = []  # keeps the drain task referenced
 
     async def drain() -> None:

@@ -30,14 +30,23 @@ def json_depth(body: bytes) -> int:
     return int(np.cumsum(step, dtype=np.int32).max(initial=0))
 
 
-def timed_h11_protocol(idle_timeout: float) -> type:
-    """uvicorn's h11 protocol, closing a connection that has not sent a complete request head
-    within `idle_timeout` seconds of opening, or of its last response (uvicorn times out only
-    idle keep-alive connections, so a client that connects and sends nothing holds a file
-    descriptor forever)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def timed_protocol(idle_timeout: float, http: str = "auto") -> type:
+    """uvicorn's HTTP/1.1 protocol, closing a connection that has not sent a complete request
+    head within `idle_timeout` seconds of opening, or of its last response (uvicorn times out
+    only idle keep-alive connections, so a client that connects and sends nothing holds a file
+    descriptor forever). http: "httptools" (its C parser), "h11" (pure Python) or "auto" (the
+    former when installed, as uvicorn[standard] and vLLM run)."""
+    if http == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        try:
+            from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        except ImportError:  # httptools is not installed
+            if http == "httptools":
+                raise
+            from uvicorn.protocols.http.h11_impl import H11Protocol as base
 
-    class TimedH11Protocol(H11Protocol):
+    class TimedProtocol(base):  # type: ignore[valid-type,misc]
         _idle: Any = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -62,7 +71,8 @@ def timed_h11_protocol(idle_timeout: float) -> type:
                 self._idle.cancel()
             super().connection_lost(exc)
 
-    return TimedH11Protocol
+    TimedProtocol.__name__ = TimedProtocol.__qualname__ = f"Timed{base.__name__}"
+    return TimedProtocol
 
 
 def raise_fd_limit(target: int = 65535) -> None:
