@@ -1,6 +1,7 @@
 """The serving path's own cost, without a model: `paged serve` in front of a fake engine core.
 
-    python bench/serve_overhead.py [--variants h11-asyncio,httptools-uvloop] [--clients httpx,raw]
+    python bench/serve_overhead.py [--variants h11-asyncio,httptools-uvloop]
+        [--clients bench,httpx,raw]
         [--rates 32] [--repeats 3] [--num-prompts 600] [--step-ms 6] [--pin] [--json PATH]
 
 The server is the real one (serve_main: the app, Serving, metrics, AsyncEngine) started in
@@ -12,9 +13,10 @@ per step with the stats /metrics exports, Alive heartbeats; Add, Abort, Shutdown
 
 Variants pick the HTTP protocol and event loop the server finds installed: h11 / asyncio are
 what it falls back to when httptools / uvloop cannot be imported (blocked in that process).
-Clients: `paged bench serve`'s own benchmark() with its httpx send() (`httpx`), or the same
-benchmark() with a lean send() on raw asyncio streams that parses only what it needs (`raw`),
-which shows how much of the gap is the client.
+Clients: `paged bench serve`'s own benchmark() and send() (`bench`: aiohttp), or the same
+benchmark() with another send(): on httpx (`httpx`, what paged bench serve used before), or a
+lean one on raw asyncio streams that parses only what it needs (`raw`), which shows how much
+of the gap is the client.
 
 Per run: client TTFT (median, mean, p99) and median ITL; the server's own TTFT mean from
 /metrics (AsyncEngine.generate's start to its first token); from a middleware added here, the
@@ -324,6 +326,47 @@ class RawSender:
         return res
 
 
+class HttpxSender:
+    """bench_serve.send's contract on httpx (paged bench serve's client before aiohttp)."""
+
+    def __init__(self) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None))
+
+    async def send(self, client: Any, url: str, payload: dict, headers: dict, prompt: Any) -> Any:
+        from paged.cli.bench_serve import Result
+
+        res = Result(prompt.prompt_len)
+        start = last = time.perf_counter()
+        chunks, usage = 0, None
+        try:
+            async with self.client.stream("POST", url, json=payload, headers=headers) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    usage = chunk.get("usage") or usage
+                    choices = chunk.get("choices") or []
+                    if choices and choices[0].get("text"):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last, chunks = now, chunks + 1
+            res.latency = last - start
+            res.output_len = usage["completion_tokens"] if usage else chunks
+            res.success = chunks > 0
+            res.error = "" if chunks else "no output"
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {e}"
+        return res
+
+
 # ---- one measured run --------------------------------------------------------------------
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads) from /proc."""
@@ -393,6 +436,8 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
     send = bench_serve.send
     if client == "raw":
         bench_serve.send = RawSender(url).send  # type: ignore[assignment]
+    elif client == "httpx":
+        bench_serve.send = HttpxSender().send  # type: ignore[assignment]
     try:
         res = asyncio.run(bench_serve.benchmark(cargs, prompts, args.model_name))
     finally:
@@ -514,7 +559,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="a VARIANT@base in --variants runs paged from this folder (say an exported "
         "`git archive HEAD core`), to compare with another version of the code",
     )
-    a("--clients", default="httpx", help="comma list of httpx (paged bench serve's), raw")
+    a("--clients", default="bench", help="comma list of bench (paged bench serve's), httpx, raw")
     a("--rates", default="32", help="comma list of request rates (req/s)")
     a("--repeats", type=int, default=3, help="rounds; each round runs every variant, in turn")
     a("--num-prompts", type=int, default=600)
@@ -567,7 +612,7 @@ def main(argv: list[str]) -> int:
             proc, url, core, f = start_server(args, v, model, logs / f"server-{v}-{rnd}.log")
             try:
                 warm = dict(vars(args), num_prompts=args.warmup)
-                measure(argparse.Namespace(**warm), url, (proc.pid, core), "httpx", 99, 32)
+                measure(argparse.Namespace(**warm), url, (proc.pid, core), "bench", 99, 32)
                 for rate in rates:
                     for c in clients:
                         waited = wait_quiet(args.quiet_below, args.quiet_wait)

@@ -78,32 +78,38 @@ class Result:
     error: str = ""
 
 
-async def send(client, url: str, payload: dict, headers: dict, prompt: Prompt) -> Result:
+async def send(session, url: str, payload: dict, headers: dict, prompt: Prompt) -> Result:
+    """One streamed request on an aiohttp session (as vLLM's benchmark_serving: a light client,
+    so the times are the server's rather than the client's parsing)."""
     res = Result(prompt.prompt_len)
     start = last = time.perf_counter()
     chunks, usage = 0, None
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:500]}"
+        async with session.post(url, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                body = await resp.text(errors="replace")
+                res.error = f"HTTP {resp.status}: {body[:500]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                usage = chunk.get("usage") or usage
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last, chunks = now, chunks + 1
+            buf = b""
+            async for data in resp.content.iter_any():  # whole events, however long
+                now = time.perf_counter()
+                buf += data
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    event = line[5:].strip()
+                    if event == b"[DONE]":
+                        break
+                    chunk = json.loads(event)
+                    usage = chunk.get("usage") or usage
+                    choices = chunk.get("choices") or []
+                    if choices and choices[0].get("text"):
+                        if chunks == 0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last, chunks = now, chunks + 1
         res.latency = last - start
         res.output_len = usage["completion_tokens"] if usage else chunks
         if usage and usage.get("prompt_tokens"):
@@ -116,7 +122,7 @@ async def send(client, url: str, payload: dict, headers: dict, prompt: Prompt) -
 
 
 async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str) -> dict:
-    import httpx
+    import aiohttp
     from tqdm import tqdm
 
     url = args.url.rstrip("/") + args.endpoint
@@ -128,14 +134,16 @@ async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str)
         "ignore_eos": True,
         "temperature": args.temperature,
     }
-    limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts) or 1)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)  # 0: no limit
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed)
 
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         test = await send(
-            client, url, {**base, "prompt": prompts[0].prompt, "max_tokens": 2}, headers, prompts[0]
-        )
+            session, url, {**base, "prompt": prompts[0].prompt, "max_tokens": 2}, headers,
+            prompts[0],
+        )  # fmt: skip
         if not test.success:
             raise RuntimeError(f"the test request to {url} failed: {test.error}")
         bar = tqdm(total=len(prompts), desc="requests", disable=args.disable_tqdm)
@@ -143,10 +151,10 @@ async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str)
         async def one(p: Prompt) -> Result:
             payload = {**base, "prompt": p.prompt, "max_tokens": p.output_len}
             if sem is None:
-                r = await send(client, url, payload, headers, p)
+                r = await send(session, url, payload, headers, p)
             else:
                 async with sem:
-                    r = await send(client, url, payload, headers, p)
+                    r = await send(session, url, payload, headers, p)
             bar.update(1)
             return r
 
