@@ -51,6 +51,18 @@ def test_accepted_spellings_map_onto_ours():
     assert parse("--structured-outputs-config", '{"backend": "auto"}').structured_outputs_backend
 
 
+def test_uvicorn_access_log_flag():
+    from paged.cli.main import build_parser
+    from paged.server.http_options import uvicorn_options
+
+    def options(*flags: str) -> dict:
+        argv = ["serve", "m", *flags]
+        return uvicorn_options(build_parser(argv).parse_args(argv))
+
+    assert options()["access_log"] is True
+    assert options("--disable-uvicorn-access-log")["access_log"] is False
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

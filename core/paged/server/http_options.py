@@ -26,6 +26,8 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("HTTP (vLLM's spellings)")
     g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
                    help="uvicorn's own log level (default: --log-level)")  # fmt: skip
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access-log line per request from uvicorn")  # fmt: skip
     g.add_argument(
         "--root-path",
         default=None,
@@ -83,6 +85,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config keyword arguments of the HTTP flags."""
     return {
         "log_level": args.uvicorn_log_level or args.log_level,
+        "access_log": not args.disable_uvicorn_access_log,
         "root_path": args.root_path or "",
         "ssl_keyfile": args.ssl_keyfile,
         "ssl_certfile": args.ssl_certfile,
