@@ -58,7 +58,7 @@ def check_close(got, want, ref) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, AT, AT + 1])  # the last: the norm, then the GEMMs
+@pytest.mark.parametrize("tokens", [1, 2, AT + 1])  # the last: the norm, then the GEMMs
 def test_folded_experts_match_the_norm_then_the_layer(device, dtype, tokens):
     x, residual, gain = inputs(tokens, dtype, device, seed=tokens)
     w13, w2 = experts(dtype, device)
