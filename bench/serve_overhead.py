@@ -280,7 +280,7 @@ class RawSender:
     async def send(self, client: Any, url: str, payload: dict, headers: dict, prompt: Any) -> Any:
         from urllib.parse import urlparse
 
-        from paged.cli.bench_serve import Result
+        from paged.cli.bench_serve import Result, finish
 
         res = Result(prompt.prompt_len)
         body = json.dumps(payload).encode()
@@ -317,10 +317,7 @@ class RawSender:
                         last, chunks = now, chunks + 1
             await r.readline()  # the chunked body's last CRLF
             self.idle.append((r, w))
-            res.latency = last - start
-            res.output_len = usage["completion_tokens"] if usage else chunks
-            res.success = chunks > 0
-            res.error = "" if chunks else "no output"
+            finish(res, last - start, chunks, usage)
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         return res
@@ -335,7 +332,7 @@ class HttpxSender:
         self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None))
 
     async def send(self, client: Any, url: str, payload: dict, headers: dict, prompt: Any) -> Any:
-        from paged.cli.bench_serve import Result
+        from paged.cli.bench_serve import Result, finish
 
         res = Result(prompt.prompt_len)
         start = last = time.perf_counter()
@@ -358,10 +355,7 @@ class HttpxSender:
                         else:
                             res.itl.append(now - last)
                         last, chunks = now, chunks + 1
-            res.latency = last - start
-            res.output_len = usage["completion_tokens"] if usage else chunks
-            res.success = chunks > 0
-            res.error = "" if chunks else "no output"
+            finish(res, last - start, chunks, usage)
         except Exception as e:
             res.error = f"{type(e).__name__}: {e}"
         return res

@@ -61,16 +61,10 @@ def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
     assert calls == [1]  # the one-row call only
 
 
-def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter_only):
-    """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
-    steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
-    and greedy output equals HF's; prefill rows take F.linear and the separate norm."""
-    from test_hf_parity import hf_greedy
+def every_linear_on_the_gemv(monkeypatch) -> None:
+    """The engine on the Triton interpreter with every nn.Linear on the one-row GEMV (as if
+    start-up timing chose it everywhere)."""
     from test_long_prompt import TritonOnCpu
-    from transformers import AutoModelForCausalLM
-
-    from paged import LLM, SamplingParams
-    from paged.kernels import gemv
 
     class AllGemv(TritonOnCpu):
         def prepare_model(self, model, config, source=None) -> None:
@@ -81,6 +75,19 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter
 
     for where in ("paged.engine.core", "paged.worker.worker"):
         monkeypatch.setattr(f"{where}.select_platform", lambda name=None: AllGemv())
+
+
+def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter_only):
+    """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
+    steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
+    and greedy output equals HF's; prefill rows take F.linear and the separate norm."""
+    from test_hf_parity import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams
+    from paged.kernels import gemv
+
+    every_linear_on_the_gemv(monkeypatch)
     fused = []
     real = gemv.gemv_split_k
     monkeypatch.setattr(gemv, "gemv_split_k",
@@ -116,22 +123,13 @@ def test_the_moe_norm_folds_into_the_router_and_expert_gemvs(tmp_path, monkeypat
     experts' gate/up GEMV (add_rms_norm_moe), the only norm kernel left the final one; the
     router is timed with its norm at start-up; greedy output equals HF's."""
     from test_hf_parity import hf_greedy
-    from test_long_prompt import TritonOnCpu
     from test_models_qwen3_moe import make_model
     from transformers import AutoModelForCausalLM
 
     from paged import LLM, SamplingParams, kernels
     from paged.kernels import gemv, moe
 
-    class AllGemv(TritonOnCpu):
-        def prepare_model(self, model, config, source=None) -> None:
-            counters = torch.zeros(1024, dtype=torch.int32)
-            for mod in model.modules():
-                if type(mod) is nn.Linear:
-                    mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters)
-
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: AllGemv())
+    every_linear_on_the_gemv(monkeypatch)
     router, experts, norms = [], [], []  # per call: the norm folded in / a norm kernel's rows
     split_k, gate_up, norm_kernel = gemv.gemv_split_k, moe._gate_up, kernels.fused_add_rms_norm
     monkeypatch.setattr(gemv, "gemv_split_k",

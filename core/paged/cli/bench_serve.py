@@ -110,15 +110,21 @@ async def send(session, url: str, payload: dict, headers: dict, prompt: Prompt) 
                         else:
                             res.itl.append(now - last)
                         last, chunks = now, chunks + 1
-        res.latency = last - start
-        res.output_len = usage["completion_tokens"] if usage else chunks
-        if usage and usage.get("prompt_tokens"):
-            res.prompt_len = usage["prompt_tokens"]
-        res.success = chunks > 0
-        res.error = "" if chunks else "no output"
+        finish(res, last - start, chunks, usage)
     except Exception as e:  # record and go on: one failure must not end the benchmark
         res.error = f"{type(e).__name__}: {e}"
     return res
+
+
+def finish(res: Result, latency: float, chunks: int, usage: dict | None) -> None:
+    """A completed stream's figures into `res`: its latency, output (and prompt) tokens from
+    the usage chunk (else the text chunks counted), success when any text came."""
+    res.latency = latency
+    res.output_len = usage["completion_tokens"] if usage else chunks
+    if usage and usage.get("prompt_tokens"):
+        res.prompt_len = usage["prompt_tokens"]
+    res.success = chunks > 0
+    res.error = "" if chunks else "no output"
 
 
 async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str) -> dict:
