@@ -43,3 +43,33 @@ def test_role_chunk_waits_for_the_first_token():
     chunks = asyncio.run(run())
     assert '"role":"assistant"' in chunks[0]
     assert chunks[-1] == "data: [DONE]\n\n"
+
+
+def test_sse_body_starts_before_the_head_and_is_closed():
+    """SSEResponse runs its body to its first wait (the request sent to the engine) before the
+    response head goes out, sends every chunk in order, and closes the body at the end."""
+    from paged.server.serving import SSEResponse
+
+    events: list[str] = []
+
+    async def body():
+        try:
+            events.append("body started")
+            await asyncio.sleep(0.01)  # the engine's first token
+            for i in range(3):
+                yield f"data: {i}\n\n"
+        finally:
+            events.append("body closed")
+
+    async def send(msg: dict) -> None:
+        events.append(msg["type"] + (f" {msg['body'].decode()!r}" if msg.get("body") else ""))
+
+    async def receive() -> dict:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    asyncio.run(SSEResponse(body())(scope, receive, send))
+    assert events == ["body started", "http.response.start",
+                      *(f"http.response.body 'data: {i}\\n\\n'" for i in range(3)),
+                      "body closed", "http.response.body"]  # fmt: skip
