@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hf_parity import hf_greedy
+from tiny_hf import spread_weights
 
 from paged import LLM, SamplingParams
 
@@ -203,10 +204,7 @@ def test_llama3_rope_scaling_from_gguf(tmp_path, monkeypatch):
     cfg = tf.LlamaConfig(**BASE, head_dim=16, rope_parameters=dict(LLAMA3_ROPE))
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     path = str(tmp_path / "llama3")
     model.save_pretrained(path)
     freqs = np.array(llama3_rope_freqs(LLAMA3_ROPE, 16), dtype=np.float32)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_hf_parity import hf_greedy
 from test_models_gemma_phi import BASE, make_model
+from tiny_hf import spread_weights
 
 from paged import LLM, SamplingParams
 from paged.engine.kv_cache import KVCacheManager
@@ -29,10 +30,7 @@ def mistral(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("swa") / "mistral")
     torch.manual_seed(0)
     model = tf.MistralForCausalLM(tf.MistralConfig(**BASE, sliding_window=WINDOW)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:  # far from greedy ties, as in conftest
-                p.normal_(0, 0.2)
+    spread_weights(model)
     model.save_pretrained(path)
     return path
 
@@ -125,10 +123,7 @@ def test_mixtral_window_releases_blocks(tmp_path):
                            num_experts_per_tok=2, sliding_window=12)  # fmt: skip
     torch.manual_seed(1)
     hf = tf.MixtralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(hf)
     hf.save_pretrained(tmp_path / "mixtral")
     prompts = [list(range(5, 47)), list(range(100, 150))]
     expect = [hf_greedy(hf, p, 10) for p in prompts]

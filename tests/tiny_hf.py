@@ -32,11 +32,16 @@ def make_tiny(kind: str, path: str, seed: int = 0, **changes) -> str:
     cfg = cfg_cls(**{**TINY, **changes}, **extra, eos_token_id=1, bos_token_id=0)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    # Random weights of a freshly initialised model are small; make the logits less flat
-    # so greedy decoding is far from ties.
+    spread_weights(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def spread_weights(model: torch.nn.Module) -> None:
+    """Every matrix drawn again from N(0, 0.2) (torch's global generator): a freshly
+    initialised model's weights are small and its logits flat; larger ones keep greedy
+    decoding far from ties."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.2)
-    model.save_pretrained(path, safe_serialization=True)
-    return path

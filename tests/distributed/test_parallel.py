@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_helpers import generate_then_kill
+from tiny_hf import spread_weights
 
 from paged import LLM, SamplingParams
 from paged.executor import WorkerFailure
@@ -40,10 +41,7 @@ def mqa_model(tmp_path_factory) -> str:
                          max_position_embeddings=512, eos_token_id=1)  # fmt: skip
     torch.manual_seed(1)
     model = tf.LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     model.save_pretrained(path)
     return path
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emb_helpers import TINY, randomize, save_sentence_transformers, save_tokenizer
+from emb_helpers import TINY, save_sentence_transformers, save_tokenizer
+from tiny_hf import spread_weights
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +19,7 @@ def qwen3_embedding(tmp_path_factory) -> str:
     cfg = Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=False, is_matryoshka=True)
     torch.manual_seed(0)
     model = Qwen3Model(cfg).eval()
-    randomize(model)
+    spread_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     save_sentence_transformers(path, "lasttoken", normalize=True)
     save_tokenizer(path, TINY["vocab_size"])
@@ -33,7 +34,7 @@ def llama_lm(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("emb") / "llama")
     torch.manual_seed(1)
     model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    randomize(model)
+    spread_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     save_tokenizer(path, TINY["vocab_size"])
     return path

@@ -65,13 +65,6 @@ def save_sentence_transformers(path: str, mode: str, normalize: bool) -> None:
     (root / "1_Pooling" / "config.json").write_text(json.dumps(pool))
 
 
-def randomize(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-
-
 def hf_pooled(
     path: str, prompts: list[list[int]], kind: str, normalize: bool
 ) -> list[torch.Tensor]:

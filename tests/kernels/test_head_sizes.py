@@ -5,6 +5,7 @@ import pytest
 import torch
 from test_attention import TOL, i32, make_cache, reference, rel_err
 from test_fused import close, cos_sin_cache, hf_rotary
+from tiny_hf import spread_weights
 
 from paged.kernels import (
     paged_attention_decode,
@@ -100,10 +101,7 @@ def odd_head_models(tmp_path_factory) -> dict[int, str]:
                           max_position_embeddings=256, bos_token_id=0, eos_token_id=1)  # fmt: skip
         torch.manual_seed(head_dim)
         model = LlamaForCausalLM(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() > 1:
-                    p.normal_(0, 0.2)  # logits far from ties
+        spread_weights(model)
         assert model.model.layers[0].self_attn.head_dim == head_dim
         paths[head_dim] = str(root / f"head{head_dim}")
         model.save_pretrained(paths[head_dim], safe_serialization=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_hf import spread_weights
 
 from paged import LLM, SamplingParams
 from paged.lora import LoRARequest
@@ -135,10 +136,7 @@ def test_fused_projections_phi3(tmp_path, adapter_maker, hf_greedy):
                         pad_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     model = tf.Phi3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     path = str(tmp_path / "phi3")
     model.save_pretrained(path)
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]

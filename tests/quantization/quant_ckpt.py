@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
+from tiny_hf import spread_weights
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -186,10 +187,7 @@ def tiny_arch(kind: str, path: str) -> str:
                                 head_dim=16)  # fmt: skip
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tiny_hf import spread_weights
 
 _spec = importlib.util.spec_from_file_location(
     "paged_server_test_helpers", Path(__file__).parent.parent / "server" / "conftest.py"
@@ -67,10 +68,7 @@ def make_tiny_model(path: Path) -> str:
                       max_position_embeddings=512, eos_token_id=tok.eos_token_id)  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger weights: logits far from ties, so greedy is stable
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     model.save_pretrained(str(path), safe_serialization=True)
     tok.save_pretrained(str(path))
     return str(path)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from tiny_hf import spread_weights
 
 SCHEMAS = json.loads((Path(__file__).parent / "schemas.json").read_text())
 
@@ -32,10 +33,7 @@ def make_tiny_smol(path: str, seed: int = 0) -> str:
     )
     torch.manual_seed(seed)
     model = tf.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
+    spread_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
