@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_hf import TINY
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -50,17 +51,7 @@ def tiny_llama(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = str(tmp_path_factory.mktemp("cli") / "tiny-llama")
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-    )
+    cfg = LlamaConfig(**TINY, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, cfg.vocab_size)

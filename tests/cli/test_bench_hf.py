@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_hf
 import torch
 
 TINY = ["--load-format", "dummy", "--dtype", "float32", "--kv-cache-memory", "8MiB"]
@@ -67,16 +68,7 @@ def tied_llama(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = str(tmp_path_factory.mktemp("tied") / "tied-llama")
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
+    cfg = LlamaConfig(**tiny_hf.TINY, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 

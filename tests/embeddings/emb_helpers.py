@@ -5,19 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import tiny_hf
 import torch
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+TINY = {**tiny_hf.TINY, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 1}
 TEXT = ["the quick brown fox jumps over the lazy dog", "paged attention keeps blocks"]
 
 
