@@ -37,30 +37,34 @@ def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False)
 
 def _add_rms_norm_linear(x, residual, weight, eps, linear):
     """One kernel where the linear runs on the one-row GEMV (and the input is one row)."""
+    from paged.kernels import fused_add_rms_norm
     from paged.kernels.gemv import OneRowGemv
-    from paged.model.ops import add_rms_norm_linear
 
     gemv = vars(linear).get("forward")  # installed on the module, not nn.Linear's method
     if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
         return gemv(x, norm=(residual, weight, eps))
-    return add_rms_norm_linear(x, residual, weight, eps, linear)
+    x, residual = fused_add_rms_norm(x, residual, weight, eps)
+    return linear(x), residual
 
 
 def _add_rms_norm_moe(x, residual, weight, eps, moe):
     """Decode, where the router runs on the one-row GEMV: no norm kernel. The router's GEMV
     folds the add and the norm in and writes the new residual; the experts' gate/up GEMV
-    folds them in again from x and the residual (fused_moe_from_logits' `norm`)."""
+    folds them in again from x and the residual (fused_moe_from_logits' `norm`). `moe`: a
+    paged.model.moe.SparseMoE (its router `gate` and `from_logits`), read by duck typing so
+    that the kernels do not import the model."""
+    from paged.kernels import fused_add_rms_norm
     from paged.kernels.gemv import OneRowGemv
     from paged.kernels.moe import fused_moe_from_logits
-    from paged.model.moe import SparseMoE
-    from paged.model.ops import add_rms_norm_moe
 
-    gemv = vars(moe.gate).get("forward") if isinstance(moe, SparseMoE) else None
+    gate = getattr(moe, "gate", None)
+    gemv = vars(gate).get("forward") if hasattr(moe, "from_logits") and gate is not None else None
     if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
         norm = (residual, weight, eps)
         logits, new_residual = gemv(x, norm=norm)
         return moe.from_logits(x, logits, partial(fused_moe_from_logits, norm=norm)), new_residual
-    return add_rms_norm_moe(x, residual, weight, eps, moe)
+    x, residual = fused_add_rms_norm(x, residual, weight, eps)
+    return moe(x), residual
 
 
 def _gemma_rms_norm(x, weight, eps):
