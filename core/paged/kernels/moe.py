@@ -12,7 +12,9 @@ BLOCK_N outputs runs all k experts' down rows, weights them and sums them. `fuse
 routes too: at decode sizes each program of the two GEMVs routes its token itself
 (moe_routing.route_top_k, from the router logits in L2), two launches where the routing kernel
 made three; larger steps run moe_route, then fused_moe. With `norm` the residual add and
-RMSNorm before the layer are folded into the gate/up GEMV as well (add_rms_norm_moe).
+RMSNorm before the layer are folded into the gate/up GEMV as well. Both measured slower on an
+H200 than the routing kernel and the norm kernel before the GEMVs (every program routes before
+its first weight load), so the op table does not use them (paged.kernels.ops).
 """
 
 from __future__ import annotations

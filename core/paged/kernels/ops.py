@@ -10,7 +10,6 @@ not import triton.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from importlib.util import find_spec
 
 import torch
@@ -47,26 +46,6 @@ def _add_rms_norm_linear(x, residual, weight, eps, linear):
     return linear(x), residual
 
 
-def _add_rms_norm_moe(x, residual, weight, eps, moe):
-    """Decode, where the router runs on the one-row GEMV: no norm kernel. The router's GEMV
-    folds the add and the norm in and writes the new residual; the experts' gate/up GEMV
-    folds them in again from x and the residual (fused_moe_from_logits' `norm`). `moe`: a
-    paged.model.moe.SparseMoE (its router `gate` and `from_logits`), read by duck typing so
-    that the kernels do not import the model."""
-    from paged.kernels import fused_add_rms_norm
-    from paged.kernels.gemv import OneRowGemv
-    from paged.kernels.moe import fused_moe_from_logits
-
-    gate = getattr(moe, "gate", None)
-    gemv = vars(gate).get("forward") if hasattr(moe, "from_logits") and gate is not None else None
-    if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
-        norm = (residual, weight, eps)
-        logits, new_residual = gemv(x, norm=norm)
-        return moe.from_logits(x, logits, partial(fused_moe_from_logits, norm=norm)), new_residual
-    x, residual = fused_add_rms_norm(x, residual, weight, eps)
-    return moe(x), residual
-
-
 def _gemma_rms_norm(x, weight, eps):
     from paged.kernels.gemma import gemma_rms_norm
 
@@ -91,12 +70,6 @@ def _moe_route(logits, top_k, renormalize, dtype):
     return moe_route(logits, top_k, renormalize, dtype)
 
 
-def _fused_moe_from_logits(x, w13, w2, router_logits, top_k, renormalize, weight_dtype):
-    from paged.kernels.moe import fused_moe_from_logits
-
-    return fused_moe_from_logits(x, w13, w2, router_logits, top_k, renormalize, weight_dtype)
-
-
 def _fp8_linear(x, weight, scale, group_k, bias=None):
     from paged.kernels.fp8_gemm import fp8_linear
 
@@ -119,7 +92,6 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rms_norm": kernels.rms_norm,
         "fused_add_rms_norm": kernels.fused_add_rms_norm,
         "add_rms_norm_linear": _add_rms_norm_linear,
-        "add_rms_norm_moe": _add_rms_norm_moe,  # decode: folded into the router and gate/up
         "rotary_prepare": _rotary_prepare,
         "rotary_embedding": _rotary_embedding,
         "qk_norm_rotary": _qk_norm_rotary,
@@ -129,7 +101,13 @@ def triton_fused_ops() -> dict[str, Callable]:
         "gelu_and_mul": _gelu_and_mul,
         "moe_route": _moe_route,
         "fused_moe": kernels.fused_moe,
-        "fused_moe_from_logits": _fused_moe_from_logits,  # decode: routed inside the GEMVs
+        # Not here: fused_moe_from_logits and add_rms_norm_moe. Their defaults run the
+        # kernels above (moe_route, then fused_moe; fused_add_rms_norm, then the router and
+        # the experts). paged.kernels.moe's decode fusions of them, each GEMV program routing
+        # its token itself and the norm folded into the router's and gate/up GEMVs, measured
+        # slower on an H200 (34.1 vs 27.7 us a layer at 1 token; 40.7 vs 40.0 us): the
+        # per-program routing before the first weight load costs more than the launch it
+        # saves (bench/moe_kernel.py --inline-routing).
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,
         "lora_shrink": kernels.lora_shrink,

@@ -207,10 +207,10 @@ class DecoderLayer(nn.Module):
         return ops.get("add_rms_norm_moe")(x, residual, norm.weight, norm.eps, mlp)
 
     def normed_linears(self) -> list[nn.Module]:
-        """The projections whose input norm forward folds into them (add_rms_norm_linear; a
-        mixture of experts' router: add_rms_norm_moe)."""
-        mlp = self.mlp.gate_up_proj if type(self.mlp) is MLP else getattr(self.mlp, "gate", None)
-        return [self.self_attn.qkv_proj, *([mlp] if mlp is not None else [])]
+        """The projections whose input norm forward folds into them (add_rms_norm_linear: the
+        QKV and a dense MLP's gate/up; a mixture of experts' norm runs on its own)."""
+        mlp = [self.mlp.gate_up_proj] if type(self.mlp) is MLP else []
+        return [self.self_attn.qkv_proj, *mlp]
 
 
 def norm_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, linear: nn.Module):

@@ -3,10 +3,11 @@
 Each expert's gate and up projections are stacked into `w13` [E, 2*I, H] (gate rows first, as
 `silu_and_mul` splits them) and the down projections into `w2` [E, H, I]. Routing and experts
 run through the overridable op `fused_moe_from_logits` (paged.model.ops: `moe_route`, then
-`fused_moe`, a grouped torch loop by default; on the GPU platforms a Triton grouped GEMM, with
-the routing inside the decode GEMVs). Under tensor parallelism every rank holds a column
-slice [inter_start, inter_end) of every expert's gate/up and the matching columns of down; the
-router is replicated and the partial outputs are summed by the row-parallel all-reduce.
+`fused_moe`, a grouped torch loop by default; on the GPU platforms the Triton routing kernel,
+then a grouped GEMM, or per-pair GEMVs at decode). Under tensor parallelism every rank holds a
+column slice [inter_start, inter_end) of every expert's gate/up and the matching columns of
+down; the router is replicated and the partial outputs are summed by the row-parallel
+all-reduce.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ class SparseMoE(nn.Module):
     def from_logits(
         self, x: torch.Tensor, logits: torch.Tensor, experts: Callable | None = None
     ) -> torch.Tensor:
-        """The rest of forward after the router (whose input norm may be fused with it:
-        add_rms_norm_moe). `experts`: a kernel with fused_moe_from_logits' arguments in place of
-        that op (the Triton add_rms_norm_moe's, the norm folded in)."""
+        """The rest of forward after the router (whose input norm a platform's add_rms_norm_moe
+        may fuse with it). `experts`: a kernel with fused_moe_from_logits' arguments in place of
+        that op (paged.kernels.moe's with the norm folded in, say)."""
         dtype = x.dtype if self.weights_in_model_dtype else None
         moe = experts or ops.get("fused_moe_from_logits")  # moe_route then fused_moe, maybe as one
         return tp_all_reduce(moe(x, self.w13, self.w2, logits, self.top_k, self.renormalize, dtype))

@@ -41,8 +41,9 @@ def add_rms_norm_moe(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, moe
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(moe(rms_norm(residual + x) * weight), residual + x): a pre-norm layer's residual add,
-    its norm and the mixture of experts after it (paged.model.moe.SparseMoE). GPU platforms
-    fold the norm into the router's one-row GEMV and the experts' gate/up GEMV at decode."""
+    its norm and the mixture of experts after it (paged.model.moe.SparseMoE). One op, so that
+    a platform may fold the norm into its expert kernels (paged.kernels.moe can; measured
+    slower on an H200, so the GPU platforms do not)."""
     x, residual = get("fused_add_rms_norm")(x, residual, weight, eps)
     return moe(x), residual
 
@@ -173,7 +174,8 @@ def fused_moe_from_logits(
 ) -> torch.Tensor:
     """The MoE layer from its router logits [T, E]: moe_route, then fused_moe (the active ones,
     a platform's own where it replaces them). One op so that a platform may route inside its
-    expert kernels (paged.kernels.moe routes in its decode GEMVs)."""
+    expert kernels (paged.kernels.moe.fused_moe_from_logits can; measured slower on an H200,
+    so the GPU platforms do not)."""
     weights, ids = get("moe_route")(router_logits, top_k, renormalize, weight_dtype)
     return get("fused_moe")(x, w13, w2, weights, ids)
 

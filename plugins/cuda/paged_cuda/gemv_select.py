@@ -91,8 +91,7 @@ def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
 
 def normed_linears(model: nn.Module) -> set[int]:
     """ids of the linears whose input is a residual add and RMSNorm that the GEMV takes in
-    (add_rms_norm_linear / add_rms_norm_moe: a decoder layer's QKV, and its dense gate/up
-    projection or its mixture of experts' router)."""
+    (add_rms_norm_linear: a decoder layer's QKV and its dense gate/up projection)."""
     from paged.model.llama import DecoderLayer
 
     return {id(lin) for layer in model.modules() if isinstance(layer, DecoderLayer)
