@@ -28,7 +28,7 @@ TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64",
          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
          torch.bool: "i1"}  # fmt: skip
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 compiled: set = set()
 
 
@@ -194,8 +194,55 @@ def moe_and_lora() -> None:
         lora_expand(t(len(token_slot), sum(outs)), xa, t(slots, sum(outs), rank), outs, batch)
 
 
+def decode_with_pdl() -> None:
+    """A decode step's kernels as the CUDA platform launches them on Hopper (paged.kernels.pdl):
+    one variant of each with programmatic dependent launch compiled in."""
+    from paged.kernels import (
+        decode_workspace,
+        fused_add_rms_norm,
+        paged_attention_decode,
+        pdl,
+        reshape_and_cache,
+        rms_norm,
+        rotary_embedding,
+        silu_and_mul,
+    )
+    from paged.kernels.fp8_gemm import fp8_linear
+    from paged.kernels.gemma import gelu_and_mul, gemma_rms_norm
+    from paged.kernels.gemv import gemv, gemv_split_k
+    from paged.kernels.moe import fused_moe_from_logits
+    from paged.kernels.moe_routing import moe_route
+
+    pdl.enable(True)
+    heads, kv_heads, hd, hidden, n = 8, 2, 128, 256, 256
+    cache = t(2, 8, 16, kv_heads, hd)
+    kv = t(1, kv_heads, hd)
+    reshape_and_cache(kv, kv, cache[0], cache[1], t(1, dtype=torch.int64))
+    q, lens, table = t(1, heads, hd), t(1, dtype=torch.int32), t(1, 4, dtype=torch.int32)
+    paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), lens, table, 0.1, 64, 4,
+                           decode_workspace(1, heads, hd, 4, META))  # fmt: skip
+    x, w = t(1, hidden), t(hidden)
+    rms_norm(x, w, 1e-6)
+    fused_add_rms_norm(x, t(1, hidden), w, 1e-6)
+    qkv = t(1, 12 * 64)
+    rotary_embedding(t(1, dtype=torch.int64), qkv[:, : 8 * 64].view(1, 8, 64),
+                     qkv[:, 8 * 64 : 10 * 64].view(1, 2, 64), t(128, 64, dtype=torch.float32),
+                     64, norm=(t(64), t(64), 1e-6))  # fmt: skip
+    silu_and_mul(t(1, 512))
+    gemma_rms_norm(x, w, 1e-6)
+    gelu_and_mul(t(1, 512), "tanh")
+    gemv(x, t(n, hidden))
+    gemv_split_k(x, t(n, hidden), None, (4, 128, 2, 4), t(n, dtype=torch.int32),
+                 norm=(t(1, hidden), w, 1e-6))  # fmt: skip
+    fp8_linear(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), hidden)
+    moe_route(t(1, 128), 8, True, torch.bfloat16)
+    fused_moe_from_logits(x, t(128, 2 * 128, hidden), t(128, hidden, 128), t(1, 128), 8, True,
+                          torch.bfloat16, norm=(t(1, hidden), w, 1e-6))  # fmt: skip
+    pdl.enable(False)
+
+
 def main() -> int:
-    for part in (attention, fused, quantized_linears, moe_and_lora):
+    for part in (attention, fused, quantized_linears, moe_and_lora, decode_with_pdl):
         part()
     print(f"{len(compiled)} kernel variants compiled for {TARGET}")
     return 0

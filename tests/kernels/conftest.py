@@ -1,6 +1,7 @@
 """Run the Triton kernels through the interpreter on machines without a GPU.
 
-`TRITON_INTERPRET=0 pytest tests/kernels` runs the same tests on a CUDA device instead.
+`TRITON_INTERPRET=0 pytest tests/kernels` runs the same tests on a CUDA device instead
+(`PAGED_TEST_PDL=1` too: launched with programmatic dependent launch, paged.kernels.pdl).
 """
 
 import os
@@ -23,6 +24,10 @@ def device() -> str:
     import torch
 
     assert torch.cuda.is_available(), "TRITON_INTERPRET=0 needs a GPU"
+    if os.environ.get("PAGED_TEST_PDL") == "1":  # the kernels as the CUDA platform launches them
+        from paged.kernels import pdl
+
+        pdl.enable(True)
     return "cuda"
 
 

@@ -40,6 +40,13 @@ def test_every_kernel_compiles_for_sm90():
     assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
     normed = {line.split()[1] for line in lines if "('NORM', True)" in line}
     assert normed == {"_gemv_split_k_kernel", "_pair_gemv"}  # the norm folded into GEMVs
-    both = {line.split()[1] for line in lines if "('NORM', True), ('ROUTE', True)" in line}
+    both = {line.split()[1] for line in lines if "('NORM', True)" in line
+            and "('ROUTE', True)" in line}  # fmt: skip
     assert both == {"_pair_gemv"}  # MoE decode: the gate/up GEMV routes and norms its input
+    pdl = {line.split()[1] for line in lines if "('PDL', True)" in line}
+    decode = {"_reshape_and_cache_kernel", "_split_kernel", "_reduce_kernel", "_rms_norm_kernel",
+              "_rotary_kernel", "_silu_and_mul_kernel", "_gemv_kernel", "_gemv_split_k_kernel",
+              "_fp8_gemv_dot_kernel", "_pair_gemv", "_down_gemv_sum", "_route_kernel",
+              "_gemma_rms_norm_kernel", "_gelu_and_mul_kernel"}  # fmt: skip
+    assert decode <= pdl, sorted(decode - pdl)  # launched with PDL on Hopper (paged.kernels.pdl)
     assert "kernel variants compiled for" in lines[-1]

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
+
 from ._attn_common import _to_fp8, fp8_args, kv_scale_args
 
 
@@ -39,7 +41,9 @@ def _reshape_and_cache_kernel(
     ROUND: tl.constexpr,
     MANT: tl.constexpr,
     MIN_ULP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token
@@ -112,4 +116,5 @@ def reshape_and_cache(
         BLOCK_H=triton.next_power_of_2(num_heads),
         **fp8_args(k_cache),
         num_warps=4,
+        **pdl.launch(),
     )

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
+
 from ._attn_common import (
     _dequant_tile,
     _dim_mask,
@@ -72,7 +74,9 @@ def _split_kernel(
     SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,
     F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -146,7 +150,9 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # MAX_SPLITS rounded up: one variant for every split count
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -244,12 +250,12 @@ def paged_attention_decode(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, SPLIT=num_splits > 1,
         **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
         F16=fp8_as_f16(q, quant) if f16 is None else f16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch()
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
             ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, HEAD_PAD=pad, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
-            num_warps=4,
+            num_warps=4, **pdl.launch()
         )  # fmt: skip
     return out

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -21,7 +23,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,6 +61,7 @@ def rms_norm(
         _rms_norm_kernel[(n_rows,)](
             x2, x2, weight, o2, x2.stride(0), 0, o2.stride(0), n_cols, eps,
             BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=False, num_warps=_warps(n_cols),
+            **pdl.launch(),
         )  # fmt: skip
     return out
 
@@ -72,6 +77,7 @@ def fused_add_rms_norm(
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, x2, x2.stride(0), r2.stride(0), x2.stride(0), n_cols, eps,
             BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=True, num_warps=_warps(n_cols),
+            **pdl.launch(),
         )  # fmt: skip
     return x, residual
 
@@ -135,7 +141,9 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.arange(0, HALF_PAD)
@@ -186,13 +194,16 @@ def rotary_embedding(
             HALF_PAD=triton.next_power_of_2(rot_dim // 2),
             BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
             BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-            NORM=0 if norm is None else 2 if gemma_norm else 1, num_warps=4,
+            NORM=0 if norm is None else 2 if gemma_norm else 1, num_warps=4, **pdl.launch()
         )  # fmt: skip
     return q, k
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -212,6 +223,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, num_warps=4
+            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch()
         )
     return out

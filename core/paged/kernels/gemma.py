@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
 from paged.kernels.fused import _warps
 
 
@@ -28,8 +29,10 @@ def _gemma_rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row `row` of x viewed as [outer, n_inner, n_cols] (strided); out and sum contiguous."""
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     i, j = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK)
@@ -72,7 +75,7 @@ def _norm(x, residual, weight, eps):
         _gemma_rms_norm_kernel[(n_rows,)](
             x3, r3, weight, out, total, x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0),
             r3.stride(1), n_cols, eps, BLOCK=triton.next_power_of_2(n_cols),
-            ADD_RESIDUAL=residual is not None, num_warps=_warps(n_cols),
+            ADD_RESIDUAL=residual is not None, num_warps=_warps(n_cols), **pdl.launch()
         )  # fmt: skip
     return out, total
 
@@ -94,8 +97,16 @@ def gemma_add_rms_norm(
 
 @triton.jit
 def _gelu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, TANH: tl.constexpr
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    n_cols,
+    BLOCK: tl.constexpr,
+    TANH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -125,6 +136,6 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(inter))
         _gelu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block,
-            TANH=approximate == "tanh", num_warps=4,
+            TANH=approximate == "tanh", num_warps=4, **pdl.launch()
         )  # fmt: skip
     return out

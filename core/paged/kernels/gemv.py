@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
 
 MAX_ROWS = 4
@@ -27,7 +28,9 @@ def _gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, N, K, G, group_k, stride_xm, stride_wn,
     stride_om, QUANT_X: tl.constexpr, X_SCALED: tl.constexpr, W_SCALED: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,7 +123,7 @@ def gemv(
         n, k, groups, max(group_k, 1), x.stride(0), weight.stride(0), out.stride(0),
         QUANT_X=quantize_x, X_SCALED=x_scale is not None, W_SCALED=scale is not None,
         GROUPED=grouped, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        num_warps=warps, **pdl.launch()
     )  # fmt: skip
     return out
 
@@ -130,7 +133,7 @@ def _gemv_split_k_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, stride_xm, stride_wn,
     stride_om, res_ptr, g_ptr, res_out_ptr, ss_ptr, eps, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row's BLOCK_N outputs over one of SPLIT slices of K. With SPLIT > 1 each program
     writes its float32 partial sums, and the last program of a block (counted atomically) adds
@@ -142,31 +145,30 @@ def _gemv_split_k_kernel(
     projection in one launch. Each program multiplies the weight by s * g (s = x + residual,
     rounded to x's dtype as the add would) and sums s^2 over its slice; the block's last
     program scales the summed products by rsqrt(mean(s^2) + eps) from the slices' sums, so no
-    program reads the whole row. The programs of the first block write s (the new residual)."""
+    program reads the whole row. The programs of the first block write s (the new residual).
+
+    The first weight tile is loaded before anything else: under PDL (`pdl`) while the kernel
+    before this one is still finishing (a slice of K is often a single tile)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    x_row = x_ptr + row * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    k_start = pid_s * k_per_split
+    ks = k_start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    pdl.enter(PDL)
+    x_row = x_ptr + row * stride_xm
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    k_start = pid_s * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+    acc2, sq = _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq,
+                             pid_n == 0, NORM)  # fmt: skip
+    for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if NORM:
-            r = tl.load(res_ptr + row * K + ks, mask=k_ok, other=0.0).to(tl.float32)
-            s = (a + r).to(x_ptr.dtype.element_ty)
-            if pid_n == 0:
-                tl.store(res_out_ptr + row * K + ks, s, mask=k_ok)
-            a = s.to(tl.float32)
-            sq += a * a
-            a = a * tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc2 += w.to(tl.float32) * a[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+        acc2, sq = _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq,
+                                 pid_n == 0, NORM)  # fmt: skip
     acc = tl.sum(acc2, axis=1)
     if SPLIT == 1:
         if NORM:
@@ -189,6 +191,25 @@ def _gemv_split_k_kernel(
                 total = total * tl.rsqrt(tl.sum(ss, 0) / K + eps)
             tl.atomic_xchg(count_ptr + slot, 0)
             _store_row(total, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
+
+
+@triton.jit
+def _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq, first_block,
+                  NORM: tl.constexpr):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] weight tile `w` (columns `ks`) of _gemv_split_k_kernel times the
+    input's slice (under NORM: s * g, s = x + residual, written out by the first block)."""
+    k_ok = ks < K
+    a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.load(res_ptr + row * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+        s = (a + r).to(x_row.dtype.element_ty)
+        if first_block:
+            tl.store(res_out_ptr + row * K + ks, s, mask=k_ok)
+        a = s.to(tl.float32)
+        sq += a * a
+        a = a * tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    acc2 += w.to(tl.float32) * a[None, :]
+    return acc2, sq
 
 
 @triton.jit
@@ -239,7 +260,7 @@ def gemv_split_k(
         x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
         weight.stride(0), out.stride(0), res, g, res_out, ss, eps, HAS_BIAS=bias is not None,
         NORM=norm is not None, SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return out if norm is None else (out, res_out)
 
@@ -248,11 +269,13 @@ def gemv_split_k(
 def _fp8_gemv_dot_kernel(
     x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """fp8 weights with per-row scales on the tensor cores, operands swapped: a
     [BLOCK_N, BLOCK_K] weight tile times the activations' [BLOCK_K, 16] (the dot's least
     width). Only ROWS (M rounded up to a power of 2) rows are loaded and quantized per token;
     each fills 16 / ROWS adjacent columns of the dot, and the first of them is stored."""
+    pdl.enter(PDL)
     REP: tl.constexpr = 16 // ROWS
     pid_n = tl.program_id(0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -330,7 +353,7 @@ def fp8_gemv_dot(
         x, weight, scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages,
+        num_stages=stages, **pdl.launch()
     )  # fmt: skip
     return out
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged.kernels import moe_routing
+from paged.kernels import moe_routing, pdl
 from paged.kernels.fused import rms_norm, silu_and_mul
 from paged.kernels.moe_routing import route_top_k
 
@@ -116,6 +116,7 @@ def _pair_gemv(
     NORM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Decode: one (token, choice) pair's BLOCK_N outputs of silu(gate) * up of its expert,
     matrix-vector products (no sorting by expert). [BLOCK_N, BLOCK_K] float32 accumulators
@@ -127,6 +128,7 @@ def _pair_gemv(
     adds s^2 to the row's sum of squares from the values it loaded anyway (the program
     covers all of K: no second pass, nothing before the first weight load); the sums are
     scaled by rsqrt(mean(s^2) + eps) once at the end."""
+    pdl.enter(PDL)
     pair = tl.program_id(0)
     row = pair // TOP_K
     if ROUTE:
@@ -191,12 +193,14 @@ def _down_gemv_sum(
     CAST_W: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Decode: BLOCK_N outputs of one token's down projection, all its k experts in one
     program ([K_PAD, BLOCK_N, BLOCK_K] tiles a step), each weighted, then summed: the k
     outputs never leave the program (no [T, k, N] buffer and no separate sum). ROUTE: experts
     and weights from the token's router logits (route_top_k), the weights rounded to the
     output's dtype when CAST_W (as moe_route's dtype rounds them)."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, K_PAD)
     j_ok = j < TOP_K
@@ -269,7 +273,7 @@ def _down_sum(a, b, c, weights, ids, top_k: int, cfg=None, route: Route | None =
         stride_bn=b.stride(1), stride_cm=c.stride(0), TOP_K=top_k, **_routing(route, top_k),
         RENORMALIZE=route is not None and route.renormalize,
         CAST_W=route is not None and route.cast, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        num_warps=warps, **pdl.launch()
     )  # fmt: skip
 
 
@@ -286,7 +290,7 @@ def _gate_up(a, b, c, ids, top_k: int, cfg=None, route: Route | None = None,
         stride_be=b.stride(0), stride_bn=b.stride(1), stride_cm=c.stride(0),
         stride_rm=res.stride(0) if res is not None else 0, TOP_K=top_k,
         **_routing(route, top_k), NORM=res is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        num_warps=warps, **pdl.launch()
     )  # fmt: skip
 
 

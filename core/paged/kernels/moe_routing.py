@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from paged.kernels import pdl
+
 MAX_EXPERTS = 4096  # _fixed_sum's range
 
 
@@ -67,7 +69,9 @@ def _route_kernel(
     K_PAD: tl.constexpr,
     BLOCK_E: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     weights, ids = route_top_k(logits_ptr + t * stride_l, E, TOP_K, K_PAD, BLOCK_E, RENORMALIZE)
     kk = tl.arange(0, K_PAD)
@@ -90,6 +94,6 @@ def moe_route(
         _route_kernel[(num_tokens,)](
             logits, weights, ids, logits.stride(0), num_experts, TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORMALIZE=renormalize,
-            num_warps=1 if block <= 128 else 4,
+            num_warps=1 if block <= 128 else 4, **pdl.launch()
         )  # fmt: skip
     return weights, ids

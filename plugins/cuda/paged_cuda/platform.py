@@ -29,6 +29,13 @@ class CudaPlatform(AcceleratorPlatform):
             "where timing both at start-up finds it faster than cuBLAS; off: cuBLAS always",
             True,
         ),
+        PlatformOption(
+            "cuda_pdl",
+            "paged's Triton kernels launched with programmatic dependent launch on GPUs of "
+            "compute capability 9.0 and later (each kernel's launch and first weight loads "
+            "overlap the end of the kernel before it); off: plain launches",
+            True,
+        ),
     )
 
     @classmethod
@@ -46,6 +53,9 @@ class CudaPlatform(AcceleratorPlatform):
         return None
 
     def prepare_model(self, model, config, source=None) -> None:
+        from paged.kernels import pdl
+
+        pdl.enable(self.option("cuda_pdl") and torch.cuda.get_device_capability()[0] >= 9)
         gguf = source is not None and source.kind == "gguf"
         if gguf and config.world_size == 1 and self.option("cuda_gguf_int4"):
             from paged.quantization.gguf import use_gguf_int4
