@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from paged.cli.env import _platform_options
 from paged.config import EngineConfig
@@ -114,7 +115,7 @@ def test_llm_arguments_reach_the_engine(tiny_models):
         assert llm.config.platform_options == kwargs
         model, backend = llm.engine.runner.model, llm.engine.runner.backend
         packed = any(isinstance(m, PackedLinear) for m in model.modules())
-        assert packed == (packing_available() and not kwargs)
+        assert packed == (packing_available(torch.bfloat16) and not kwargs)
         if kwargs:
             assert not packed and backend.native is None and backend.name == "cpu-torch"
             assert llm.engine.platform.option("cpu_packed_weights") is False

@@ -19,12 +19,20 @@ from paged.quantization import QuantLinear, QuantMethod
 log = logging.getLogger("paged")
 
 
-def packing_available() -> bool:
-    return (
+def packing_available(dtype: torch.dtype) -> bool:
+    """oneDNN's packed linears for `dtype` on this CPU (bf16 needs AVX512-BF16-class or AMX
+    instructions, or AVX-NE-CONVERT; fp16 likewise: without them the reorder raises)."""
+    if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    ):
+        return False
+    supported = {
+        torch.bfloat16: getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None),
+        torch.float16: getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None),
+    }.get(dtype)
+    return supported is not None and bool(supported())
 
 
 class PackedLinear(nn.Module):
@@ -47,7 +55,7 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Replace every linear layer (and a tied output head) by a PackedLinear; returns how
     many were replaced. No-op for float32 or without oneDNN."""
-    if dtype not in (torch.bfloat16, torch.float16) or not packing_available():
+    if dtype not in (torch.bfloat16, torch.float16) or not packing_available(dtype):
         return 0
     from paged.model.llama import TiedHead
 
