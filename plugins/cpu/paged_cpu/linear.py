@@ -20,8 +20,9 @@ log = logging.getLogger("paged")
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """oneDNN's packed linears for `dtype` on this CPU (bf16 needs AVX512-BF16-class or AMX
-    instructions, or AVX-NE-CONVERT; fp16 likewise: without them the reorder raises)."""
+    """oneDNN's packed linears for `dtype` on this CPU (torch's oneDNN needs AVX-512 BW, VL
+    and DQ, or AVX-NE-CONVERT, for bf16, and its own set for fp16: without them the reorder
+    raises)."""
     if not (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
