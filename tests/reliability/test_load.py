@@ -16,7 +16,7 @@ import pytest
 from reliability_helpers import metric, start_server, stop_server
 
 CLIENTS, ROUNDS, MAX_TOKENS = 500, 3, 8
-DEADLINE = 175.0  # seconds for the whole test (its own bound, inside pytest's timeout)
+DEADLINE = 380.0  # the whole test's own hang guard, inside pytest's 420 s (AVX2 2-core: ~180 s)
 # float32 keeps greedy decoding independent of how requests are batched
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "256MiB"]
 PROMPTS = ["Hello, my", "The sky is", "Once upon", "I like", "Paris is", "def f(", "1, 2, 3,"]
