@@ -29,10 +29,6 @@ def enable(on: bool) -> None:
     _enabled = on
 
 
-def enabled() -> bool:
-    return _enabled
-
-
 def launch() -> dict:
     """The keyword arguments of a launch: the kernel's PDL constexpr and Triton's launch option."""
     return _ON if _enabled else _OFF
