@@ -138,3 +138,28 @@ def test_split_k_gemv_with_the_norm_before_it(device, dtype, config, m, n, k, bi
     assert int(counters.abs().sum()) == 0
     again = gemv_split_k(*args, norm=norm)
     assert torch.equal(again[0], out) and torch.equal(again[1], new_res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [(4, 32, 1, 2), (8, 32, 3, 4)])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 48, 256, False), (2, 37, 200, True)])
+def test_split_k_gemv_with_silu_and_mul_before_it(device, dtype, config, m, n, k, bias):
+    """SiLU-and-mul folded into the GEMV (a dense MLP's down projection): the same bits as the
+    silu_and_mul kernel, then the GEMV on its output; near the torch reference; the counters
+    zero again."""
+    from paged.kernels import silu_and_mul
+    from paged.kernels.gemv import gemv_split_k, split_k_counters
+    from paged.model import ops
+
+    g = torch.Generator().manual_seed(n + k + config[2])
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    counters = torch.zeros(split_k_counters(n, m, config), dtype=torch.int32, device=device)
+    dw, db, dx = w.to(device), b.to(device) if bias else None, gate_up.to(device)
+    got = gemv_split_k(dx, dw, db, config, counters, silu_mul=True)
+    assert int(counters.abs().sum()) == 0
+    assert torch.equal(got, gemv_split_k(silu_and_mul(dx), dw, db, config, counters))
+    want = torch.nn.functional.linear(ops.silu_and_mul(gate_up.float()), w.float(),
+                                      b.float() if bias else None)  # fmt: skip
+    _close(got.cpu(), want.to(dtype), 2e-5 if dtype == torch.float32 else 3e-2)

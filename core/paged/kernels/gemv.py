@@ -132,8 +132,8 @@ def gemv(
 def _gemv_split_k_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, stride_xm, stride_wn,
     stride_om, res_ptr, g_ptr, res_out_ptr, ss_ptr, eps, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row's BLOCK_N outputs over one of SPLIT slices of K. With SPLIT > 1 each program
     writes its float32 partial sums, and the last program of a block (counted atomically) adds
@@ -146,6 +146,10 @@ def _gemv_split_k_kernel(
     rounded to x's dtype as the add would) and sums s^2 over its slice; the block's last
     program scales the summed products by rsqrt(mean(s^2) + eps) from the slices' sums, so no
     program reads the whole row. The programs of the first block write s (the new residual).
+
+    SILU_MUL: x is a gated MLP's gate/up output [M, 2K] and the input is silu(gate) * up,
+    rounded to x's dtype at each step as silu_and_mul rounds (the down projection and the
+    activation before it in one launch).
 
     The first weight tile is loaded before anything else: under PDL (`pdl`) while the kernel
     before this one is still finishing (a slice of K is often a single tile)."""
@@ -163,12 +167,12 @@ def _gemv_split_k_kernel(
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     acc2, sq = _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq,
-                             pid_n == 0, NORM)  # fmt: skip
+                             pid_n == 0, NORM, SILU_MUL)  # fmt: skip
     for k0 in range(k_start + BLOCK_K, k_start + k_per_split, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
         acc2, sq = _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq,
-                                 pid_n == 0, NORM)  # fmt: skip
+                                 pid_n == 0, NORM, SILU_MUL)  # fmt: skip
     acc = tl.sum(acc2, axis=1)
     if SPLIT == 1:
         if NORM:
@@ -195,11 +199,16 @@ def _gemv_split_k_kernel(
 
 @triton.jit
 def _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq, first_block,
-                  NORM: tl.constexpr):  # fmt: skip
+                  NORM: tl.constexpr, SILU_MUL: tl.constexpr):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] weight tile `w` (columns `ks`) of _gemv_split_k_kernel times the
-    input's slice (under NORM: s * g, s = x + residual, written out by the first block)."""
+    input's slice (under NORM: s * g, s = x + residual, written out by the first block; under
+    SILU_MUL: silu(gate) * up from x's two halves)."""
     k_ok = ks < K
     a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if SILU_MUL:  # silu_and_mul's arithmetic: silu rounded to the dtype, then the product
+        up = tl.load(x_row + K + ks, mask=k_ok, other=0.0)
+        act = (a / (1.0 + tl.exp(-a))).to(up.dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
     if NORM:
         r = tl.load(res_ptr + row * K + ks, mask=k_ok, other=0.0).to(tl.float32)
         s = (a + r).to(x_row.dtype.element_ty)
@@ -231,6 +240,7 @@ def gemv_split_k(
     config: tuple[int, int, int, int],
     counters: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] @ weight [N, K]^T (+ bias) for 16/32-bit weights, K split over `config`'s
     (BLOCK_N, BLOCK_K, SPLIT, warps). `counters`: int32 zeros, at least split_k_counters();
@@ -238,9 +248,13 @@ def gemv_split_k(
 
     `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x
     (fused_add_rms_norm's arithmetic up to the order of the sums); returns (out, x + residual),
-    the new residual in a new tensor (the inputs are not changed)."""
+    the new residual in a new tensor (the inputs are not changed). `silu_mul`: x is [M, 2K],
+    a gated MLP's gate/up, and the input is silu_and_mul(x) (not with `norm`)."""
     m, k = x.shape
     n = weight.shape[0]
+    if silu_mul:
+        assert norm is None and x.stride(1) == 1 and k == 2 * weight.shape[1]
+        k //= 2
     block_n, block_k, split, warps = config
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if norm is not None else out
@@ -259,8 +273,9 @@ def gemv_split_k(
     _gemv_split_k_kernel[(triton.cdiv(n, block_n), split, m)](
         x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
         weight.stride(0), out.stride(0), res, g, res_out, ss, eps, HAS_BIAS=bias is not None,
-        NORM=norm is not None, SPLIT=split, SPLIT_PAD=triton.next_power_of_2(split),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl.launch(),
+        NORM=norm is not None, SILU_MUL=silu_mul, SPLIT=split,
+        SPLIT_PAD=triton.next_power_of_2(split), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return out if norm is None else (out, res_out)
 
@@ -361,7 +376,8 @@ def fp8_gemv_dot(
 class OneRowGemv:
     """A Linear's forward on the split-K GEMV for one-row inputs (a measured choice: the CUDA
     plugin's gemv_select installs it per weight shape), F.linear otherwise. With `norm` it
-    also runs the residual add and RMSNorm before the projection (gemv_split_k's `norm`)."""
+    also runs the residual add and RMSNorm before the projection (gemv_split_k's `norm`); with
+    `silu_mul`, SiLU-and-mul of a gate/up output before it."""
 
     def __init__(self, mod: torch.nn.Linear, config: tuple[int, int, int, int], counters) -> None:
         self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
@@ -370,8 +386,9 @@ class OneRowGemv:
     def takes(x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
-    def __call__(self, x: torch.Tensor, norm=None):
+    def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
         if self.takes(x):
-            return gemv_split_k(x, self.weight, self.bias, self.config, self.counters, norm)
-        assert norm is None, "the fused norm needs a one-row input"
+            return gemv_split_k(x, self.weight, self.bias, self.config, self.counters, norm,
+                                silu_mul)  # fmt: skip
+        assert norm is None and not silu_mul, "the fused input op needs a one-row input"
         return torch.nn.functional.linear(x, self.weight, self.bias)

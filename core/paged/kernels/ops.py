@@ -46,6 +46,18 @@ def _add_rms_norm_linear(x, residual, weight, eps, linear):
     return linear(x), residual
 
 
+def _silu_and_mul_linear(gate_up, linear):
+    """One kernel where the down projection runs on the one-row GEMV (and the input is one
+    row)."""
+    from paged.kernels import silu_and_mul
+    from paged.kernels.gemv import OneRowGemv
+
+    gemv = vars(linear).get("forward")
+    if isinstance(gemv, OneRowGemv) and gemv.takes(gate_up):
+        return gemv(gate_up, silu_mul=True)
+    return linear(silu_and_mul(gate_up))
+
+
 def _gemma_rms_norm(x, weight, eps):
     from paged.kernels.gemma import gemma_rms_norm
 
@@ -96,6 +108,7 @@ def triton_fused_ops() -> dict[str, Callable]:
         "rotary_embedding": _rotary_embedding,
         "qk_norm_rotary": _qk_norm_rotary,
         "silu_and_mul": kernels.silu_and_mul,
+        "silu_and_mul_linear": _silu_and_mul_linear,
         "gemma_rms_norm": _gemma_rms_norm,  # Gemma 2/3 (paged.kernels.gemma)
         "gemma_add_rms_norm": _gemma_add_rms_norm,
         "gelu_and_mul": _gelu_and_mul,

@@ -176,7 +176,7 @@ class MLP(nn.Module):
         return self.from_gate_up(self.gate_up_proj(x))
 
     def from_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(self.down_proj(ops.get("silu_and_mul")(gate_up)))
+        return tp_all_reduce(ops.get("silu_and_mul_linear")(gate_up, self.down_proj))
 
 
 class DecoderLayer(nn.Module):
@@ -205,6 +205,11 @@ class DecoderLayer(nn.Module):
             return mlp.from_gate_up(gate_up), residual
         norm = self.post_attention_layernorm
         return ops.get("add_rms_norm_moe")(x, residual, norm.weight, norm.eps, mlp)
+
+    def gated_linears(self) -> list[nn.Module]:
+        """The projections whose SiLU-and-mul input forward folds into them
+        (silu_and_mul_linear: a dense MLP's down projection)."""
+        return [self.mlp.down_proj] if type(self.mlp) is MLP else []
 
     def normed_linears(self) -> list[nn.Module]:
         """The projections whose input norm forward folds into them (add_rms_norm_linear: the

@@ -114,6 +114,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_linear(gate_up: torch.Tensor, linear) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up)): a gated MLP's activation and its down projection (GPU
+    platforms run one-row inputs as one kernel: paged.kernels.gemv's OneRowGemv)."""
+    return linear(get("silu_and_mul")(gate_up))
+
+
 def gelu_and_mul(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     """GeGLU: gelu(gate) * up over the halves of the last dim (Gemma's MLP)."""
     gate, up = x.chunk(2, dim=-1)
@@ -246,6 +252,7 @@ _DEFAULTS: dict[str, Callable] = {
     "rotary_embedding": rotary_embedding,
     "qk_norm_rotary": qk_norm_rotary,  # Qwen3 (paged.model.qwen3)
     "silu_and_mul": silu_and_mul,
+    "silu_and_mul_linear": silu_and_mul_linear,  # the activation and the down projection
     "gemma_rms_norm": gemma_rms_norm,  # Gemma 2/3 (paged.model.gemma)
     "gemma_add_rms_norm": gemma_add_rms_norm,
     "gelu_and_mul": gelu_and_mul,
