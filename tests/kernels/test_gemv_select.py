@@ -16,13 +16,14 @@ gemv_select = pytest.importorskip("paged_cuda.gemv_select")
 def test_candidates_fill_the_gpu_without_tiny_slices(n, k):
     got = gemv_select.candidates(n, k)
     for block_n, block_k, split, _ in got:
-        assert 128 <= -(-n // block_n) * split <= 2048 and k // split >= block_k
-    assert (got == []) == (n == 128256)  # a head this wide is cuBLAS's already
+        assert 128 <= -(-n // block_n) * split <= 4096 and k // split >= block_k
+        assert block_n * block_k <= 8192
+    assert (len(got) == 1) == (n == 128256)  # a head this wide: only the widest tiles
 
 
 def test_a_shape_takes_the_fastest_gemv_only_when_it_beats_cublas():
     shapes = {(2048, 4096): ["o"] * 3, (128, 2048): ["gate"] * 3, (8192, 4096): ["up"],
-              (128256, 4096): ["head"]}  # fmt: skip
+              (262144, 4096): ["head"]}  # fmt: skip
     cublas = {"o": 9e-6, "gate": 5e-6, "up": 20e-6}
     timed = []
 
@@ -80,7 +81,8 @@ def every_linear_on_the_gemv(monkeypatch) -> None:
 def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter_only):
     """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
     steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
-    and greedy output equals HF's; prefill rows take F.linear and the separate norm."""
+    and SiLU-and-mul inside the down projection's, and greedy output equals HF's; prefill rows
+    take F.linear and the separate ops."""
     from test_hf_parity import hf_greedy
     from transformers import AutoModelForCausalLM
 
@@ -88,10 +90,10 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter
     from paged.kernels import gemv
 
     every_linear_on_the_gemv(monkeypatch)
-    fused = []
+    fused, gated = [], []
     real = gemv.gemv_split_k
-    monkeypatch.setattr(gemv, "gemv_split_k",
-                        lambda *a: fused.append(a[5] is not None) or real(*a))  # fmt: skip
+    monkeypatch.setattr(gemv, "gemv_split_k", lambda *a: fused.append(a[5] is not None)
+                        or gated.append(a[6]) or real(*a))  # fmt: skip
     path = tiny_models["llama"]
     llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=32)
     prompt = torch.randint(2, 320, (9,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -100,13 +102,15 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter
     layers = len(llm.engine.runner.model.layers)
     # four decode steps: both norms of every layer but the first layer's input norm (none)
     assert sum(fused) == 4 * (2 * layers - 1)
+    assert sum(gated) == 4 * layers  # every down projection of the four decode steps
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert got == hf_greedy(hf, prompt, 5)
 
 
 def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
     """A decoder layer's QKV and dense gate/up projections follow a norm that the GEMV takes
-    in (so start-up times them with it); o_proj, down_proj and the head do not."""
+    in, its down projection SiLU-and-mul (so start-up times them with it); o_proj and the
+    head follow neither."""
     from paged import LLM
 
     llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, num_kv_blocks=16)
@@ -114,6 +118,8 @@ def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
     want = {id(m) for layer in model.layers for m in (layer.self_attn.qkv_proj,
                                                       layer.mlp.gate_up_proj)}  # fmt: skip
     assert gemv_select.normed_linears(model) == want and len(want) == 2 * len(model.layers)
+    downs = {id(layer.mlp.down_proj) for layer in model.layers}
+    assert gemv_select.gated_linears(model) == downs
 
 
 def test_the_moe_norm_runs_before_the_router_and_expert_gemvs(tmp_path, monkeypatch,

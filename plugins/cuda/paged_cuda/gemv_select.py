@@ -29,14 +29,16 @@ REPLAYS = 5
 
 def candidates(n: int, k: int) -> list[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, SPLIT, warps) to try for weight [n, k]: enough programs to fill the
-    GPU's SMs about one to sixteen times, each slice of K at least one BLOCK_K step."""
+    GPU's SMs about one to thirty times, each slice of K at least one BLOCK_K step, each
+    program's tile at most 8192 float32 sums (64 registers a lane at 4 warps)."""
     out = []
-    for block_n in (4, 8, 16):
+    for block_n in (4, 8, 16, 32):
         blocks = triton.cdiv(n, block_n)
         for split in (1, 2, 4, 8):
-            if not 128 <= blocks * split <= 2048 or k // split < 256:
+            if not 128 <= blocks * split <= 4096 or k // split < 256:
                 continue
-            out.append((block_n, 512 if k // split >= 512 else 256, split, 4))
+            block_k = 512 if k // split >= 512 and block_n <= 16 else 256
+            out.append((block_n, block_k, split, 4))
     return out
 
 
@@ -98,10 +100,19 @@ def normed_linears(model: nn.Module) -> set[int]:
             for lin in layer.normed_linears()}  # fmt: skip
 
 
+def gated_linears(model: nn.Module) -> set[int]:
+    """ids of the linears whose input is SiLU-and-mul of a gate/up output, which the GEMV
+    takes in (silu_and_mul_linear: a dense MLP's down projection)."""
+    from paged.model.llama import DecoderLayer
+
+    return {id(lin) for layer in model.modules() if isinstance(layer, DecoderLayer)
+            for lin in layer.gated_linears()}  # fmt: skip
+
+
 def use_measured_gemv(model: nn.Module) -> None:
     """Time and install the GEMV per weight shape where it beats cuBLAS at one row. A shape
-    whose linears follow a norm is timed with it: cuBLAS after the norm's own kernel against
-    the GEMV with the norm folded in."""
+    whose linears follow a norm (or SiLU-and-mul) is timed with it: cuBLAS after the op's own
+    kernel against the GEMV with the op folded in."""
     from paged.model import ops
 
     shapes = dense_linears(model)
@@ -115,8 +126,9 @@ def use_measured_gemv(model: nn.Module) -> None:
     most = max((split_k_counters(n, 1, c) for n, k in shapes for c in candidates(n, k)),
                default=1)  # fmt: skip
     counters = torch.zeros(most, dtype=torch.int32, device=device)
-    normed = normed_linears(model)
-    norm = ops.get("fused_add_rms_norm")
+    normed, gated = normed_linears(model), gated_linears(model)
+    norm, act = ops.get("fused_add_rms_norm"), ops.get("silu_and_mul")
+    gate_up = {k: torch.randn(1, 2 * k, device=device, dtype=dtype) for _, k in shapes}
 
     def time_cublas(mods: list[nn.Linear]) -> float:
         k = mods[0].weight.shape[1]
@@ -124,13 +136,18 @@ def use_measured_gemv(model: nn.Module) -> None:
         if id(mods[0]) in normed:  # (the norm updates x and r in place: no matter here)
             return graph_time([lambda m=m: F.linear(norm(x, r, g, 1e-6)[0], m.weight, m.bias)
                                for m in mods])  # fmt: skip
+        if id(mods[0]) in gated:
+            return graph_time([lambda m=m: F.linear(act(gate_up[k]), m.weight, m.bias)
+                               for m in mods])  # fmt: skip
         return graph_time([lambda m=m: F.linear(x, m.weight, m.bias) for m in mods])
 
     def time_gemv(mods: list[nn.Linear], config) -> float:
         k = mods[0].weight.shape[1]
         folded = (res[k], gain[k], 1e-6) if id(mods[0]) in normed else None
-        return graph_time([lambda m=m: gemv_split_k(xs[k], m.weight, m.bias, config, counters,
-                                                    folded) for m in mods])  # fmt: skip
+        silu = id(mods[0]) in gated
+        x = gate_up[k] if silu else xs[k]
+        return graph_time([lambda m=m: gemv_split_k(x, m.weight, m.bias, config, counters,
+                                                    folded, silu) for m in mods])  # fmt: skip
 
     with torch.inference_mode():
         chosen = choose(shapes, time_cublas, time_gemv)
