@@ -3,12 +3,13 @@ weights in a real shape, kernels summed by name per generated token, and the dev
 between them.
 
     python bench/decode_profile.py [--model llama-3.1-8b] [--batch 1] [--tokens 64]
-        [--quantization fp8] [--kv-cache-dtype fp8]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--prompt-len 16]
 
 Prints which dense linears' one-row products run the split-K GEMV instead of cuBLAS (the CUDA
 plugin's start-up choice), then per step: wall time, device busy and idle (gaps over 20 us: the
 host was late), and the kernels by their time per step (calls per step beside). The prompt is
-16 tokens, so the one prefill step weighs little against `--tokens` decode steps.
+16 tokens, so the one prefill step weighs little against `--tokens` decode steps; `--tokens 1
+--prompt-len 512` profiles a prefill step alone (run eagerly: is the host or the device late?).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--top", type=int, default=25)
@@ -49,9 +51,10 @@ def main() -> None:
     path = shape_dir(args.model, Path(tempfile.mkdtemp()) / args.model)
     llm = LLM(path, load_format="dummy", dtype=args.dtype, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
-              max_model_len=16 + args.tokens + 16, max_num_seqs=max(args.batch, 1))  # fmt: skip
+              max_model_len=args.prompt_len + args.tokens + 16,
+              max_num_seqs=max(args.batch, 1))  # fmt: skip
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(16)]}
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]}
                for _ in range(args.batch)]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: graphs, kernels
