@@ -91,10 +91,14 @@ def attention() -> None:
         reshape_and_cache(kv, kv, cache[0], cache[1], t(10, dtype=torch.int64), **scales)
         seq_lens, table = t(seqs, dtype=torch.int32), t(seqs, 4, dtype=torch.int32)
         q = t(seqs, heads, head_dim)
-        for splits in (1, 4):
+        new = t(seqs, 3 * kv_heads, head_dim)[:, :kv_heads]  # a strided view, as k/v are
+        fused = {"key": new, "value": new, "slot_mapping": t(seqs, dtype=torch.int64)}
+        for splits, write in ((1, False), (4, False), (1, True), (4, True)):
             ws = decode_workspace(seqs, heads, head_dim, 4, META) if splits > 1 else None
+            counters = t(seqs * kv_heads, dtype=torch.int32) if splits > 1 else None
             paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), seq_lens, table,
-                                   0.1, 64, splits, ws, **layer, **scales)  # fmt: skip
+                                   0.1, 64, splits, ws, counters=counters, **layer, **scales,
+                                   **(fused if write else {}))  # fmt: skip
         q = t(20, heads, head_dim)
         paged_attention_varlen(q, cache[0], cache[1], torch.empty_like(q),
                                t(seqs + 1, dtype=torch.int32), seq_lens, table, 0.1, 12, 64,
@@ -145,6 +149,9 @@ def quantized_linears() -> None:
         # with the residual add and RMSNorm before it (add_rms_norm_linear)
         gemv_split_k(t(1, k), t(n, k), None, config, t(n, dtype=torch.int32),
                      norm=(t(1, k), t(k), 1e-6))  # fmt: skip
+        # with SiLU-and-mul before it (silu_and_mul_linear: a down projection)
+        gemv_split_k(t(1, 2 * k), t(n, k), None, config, t(n, dtype=torch.int32),
+                     silu_mul=True)  # fmt: skip
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)
@@ -219,8 +226,11 @@ def decode_with_pdl() -> None:
     kv = t(1, kv_heads, hd)
     reshape_and_cache(kv, kv, cache[0], cache[1], t(1, dtype=torch.int64))
     q, lens, table = t(1, heads, hd), t(1, dtype=torch.int32), t(1, 4, dtype=torch.int32)
-    paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), lens, table, 0.1, 64, 4,
-                           decode_workspace(1, heads, hd, 4, META))  # fmt: skip
+    for splits in (1, 4):  # the backend's decode step: the cache write fused in
+        paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), lens, table, 0.1, 64,
+                               splits, decode_workspace(1, heads, hd, 4, META),
+                               counters=t(kv_heads, dtype=torch.int32), key=kv, value=kv,
+                               slot_mapping=t(1, dtype=torch.int64))  # fmt: skip
     x, w = t(1, hidden), t(hidden)
     rms_norm(x, w, 1e-6)
     fused_add_rms_norm(x, t(1, hidden), w, 1e-6)
@@ -234,6 +244,8 @@ def decode_with_pdl() -> None:
     gemv(x, t(n, hidden))
     gemv_split_k(x, t(n, hidden), None, (4, 128, 2, 4), t(n, dtype=torch.int32),
                  norm=(t(1, hidden), w, 1e-6))  # fmt: skip
+    gemv_split_k(t(1, 2 * hidden), t(n, hidden), None, (4, 128, 2, 4), t(n, dtype=torch.int32),
+                 silu_mul=True)  # fmt: skip
     fp8_linear(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), hidden)
     moe_route(t(1, 128), 8, True, torch.bfloat16)
     fused_moe_from_logits(x, t(128, 2 * 128, hidden), t(128, hidden, 128), t(1, 128), 8, True,

@@ -28,7 +28,7 @@ def test_every_kernel_compiles_for_sm90():
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     lines = p.stdout.splitlines()
     names = {line.split()[1] for line in lines if line.startswith("compiled ")}
-    expected = {"_reshape_and_cache_kernel", "_split_kernel", "_reduce_kernel", "_varlen_kernel",
+    expected = {"_reshape_and_cache_kernel", "_split_kernel", "_varlen_kernel",
                 "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_quant_rows",
                 "_gemv_kernel", "_gemv_split_k_kernel", "_fp8_gemv_dot_kernel", "_fp8_gemm",
                 "_int4_gemv", "_int4_gemm",
@@ -40,13 +40,25 @@ def test_every_kernel_compiles_for_sm90():
     assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
     normed = {line.split()[1] for line in lines if "('NORM', True)" in line}
     assert normed == {"_gemv_split_k_kernel", "_pair_gemv"}  # the norm folded into GEMVs
+    gated = {line.split()[1] for line in lines if "('SILU_MUL', True)" in line
+             and "('PDL', True)" in line}  # fmt: skip
+    assert gated == {"_gemv_split_k_kernel"}  # SiLU-and-mul folded into the down GEMV
     both = {line.split()[1] for line in lines if "('NORM', True)" in line
             and "('ROUTE', True)" in line}  # fmt: skip
     assert both == {"_pair_gemv"}  # MoE decode: the gate/up GEMV routes and norms its input
     pdl = {line.split()[1] for line in lines if "('PDL', True)" in line}
-    decode = {"_reshape_and_cache_kernel", "_split_kernel", "_reduce_kernel", "_rms_norm_kernel",
+    decode = {"_reshape_and_cache_kernel", "_split_kernel", "_rms_norm_kernel",
               "_rotary_kernel", "_silu_and_mul_kernel", "_gemv_kernel", "_gemv_split_k_kernel",
               "_fp8_gemv_dot_kernel", "_pair_gemv", "_down_gemv_sum", "_route_kernel",
               "_gemma_rms_norm_kernel", "_gelu_and_mul_kernel"}  # fmt: skip
     assert decode <= pdl, sorted(decode - pdl)  # launched with PDL on Hopper (paged.kernels.pdl)
+    # The decode attention, one launch: (SPLIT, QUANT, PDL) of the variants with the cache
+    # write fused in (the backend's decode step), and without it
+    split = [line for line in lines if line.startswith("compiled _split_kernel ")]
+    flags = lambda line: tuple(f"('{c}', True)" in line for c in ("SPLIT", "QUANT", "PDL"))  # noqa: E731
+    fused = {flags(line) for line in split if "('WRITE_KV', True)" in line}
+    assert {(s, q, False) for s in (True, False) for q in (True, False)} <= fused  # fp8 or not
+    assert {(True, False, True), (False, False, True)} <= fused  # CUDA's decode step
+    plain = {flags(line) for line in split if "('WRITE_KV', False)" in line}
+    assert {(True, False, False), (False, False, False), (True, True, False)} <= plain
     assert "kernel variants compiled for" in lines[-1]

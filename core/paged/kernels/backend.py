@@ -1,7 +1,8 @@
 """The attention backend over the portable Triton kernels, shared by the GPU plugins.
 
-Split-K decode for pure-decode steps (graph-safe: fixed splits, a preallocated workspace),
-the varlen kernel for steps with prefill chunks (causal over cached context plus new tokens).
+Split-K decode for pure-decode steps, one launch that also writes the step's K/V to the cache
+(graph-safe: fixed splits, a preallocated workspace and counters), the cache write and the
+varlen kernel for steps with prefill chunks (causal over cached context plus new tokens).
 Device-neutral: the CUDA plugin uses it as is, ROCm subclasses it to pass AMD-sized launch
 tiles, XPU to rename it. Triton is imported only when a kernel is planned or launched.
 """
@@ -36,6 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.workspace: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None  # int32 zeros: the decode's split tickets
+        self._retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may use
         self.decode_kwargs, self.varlen_kwargs = self.launch_tiles()
 
     @classmethod
@@ -60,17 +63,19 @@ class TritonAttentionBackend(AttentionBackend):
         dev, h, d = self.device, self.num_kv_heads, self.head_dim
         name = str(self.cache_dtype).removeprefix("torch.")
         try:
-            cache = torch.zeros(2, 1, self.block_size, h, d, dtype=self.cache_dtype, device=dev)
+            cache = torch.zeros(2, 2, self.block_size, h, d, dtype=self.cache_dtype, device=dev)
             ones = torch.ones(h, dtype=torch.float32, device=dev)
             kv = torch.full((1, h, d), 0.375, dtype=self.dtype, device=dev)  # exact in fp8
             slot = torch.zeros(1, dtype=torch.long, device=dev)
-            reshape_and_cache(kv, kv, cache[0], cache[1], slot, ones, ones)
+            reshape_and_cache(kv, kv, cache[0], cache[1], slot, ones, ones)  # position 0
             q = torch.ones(1, self.num_heads, d, dtype=self.dtype, device=dev)
             out = torch.zeros_like(q)
-            seq, table = slot.int() + 1, slot.int().view(1, 1)
-            paged_attention_decode(q, cache[0], cache[1], out, seq, table, self.scale, 1, 1,
-                                   k_scale=ones, v_scale=ones, **self.decode_kwargs)  # fmt: skip
-            ok = bool((out.float().cpu() == 0.375).all())
+            seq = torch.full((1,), 2, dtype=torch.int32, device=dev)
+            table = torch.arange(2, dtype=torch.int32, device=dev).view(1, 2)
+            paged_attention_decode(q, cache[0], cache[1], out, seq, table, self.scale, 2, 1,
+                                   k_scale=ones, v_scale=ones, key=kv, value=kv,
+                                   slot_mapping=slot + 1, **self.decode_kwargs)  # fmt: skip
+            ok = bool((out.float().cpu() == 0.375).all())  # position 1 written by the decode
         except Exception as e:  # the compiler's or the driver's refusal
             raise ValueError(
                 f"attention backend {self.name!r}: the Triton kernels cannot store the KV cache "
@@ -88,13 +93,16 @@ class TritonAttentionBackend(AttentionBackend):
         return dict(self.decode_tiles), dict(self.varlen_tiles)
 
     def ensure_workspace(self, max_batch: int) -> None:
-        from paged.kernels import decode_workspace
-        from paged.kernels.decode import MAX_SPLITS
+        """The split-K decode's workspace and counters for batches up to `max_batch`."""
+        from paged.kernels.decode import MAX_SPLITS, decode_counters, decode_workspace
 
         if self.workspace is None or self.workspace.shape[0] < max_batch:
+            if self.workspace is not None:  # graphs captured before keep their pointers
+                self._retired += [self.workspace, self.counters]
             self.workspace = decode_workspace(
                 max_batch, self.num_heads, self.head_dim, MAX_SPLITS, self.device
             )
+            self.counters = decode_counters(max_batch, self.num_kv_heads, self.device)
 
     def plan_for_graph(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Plan a captured decode step: splits fixed from the static shapes."""
@@ -132,11 +140,13 @@ class TritonAttentionBackend(AttentionBackend):
         scales = {}
         if self.quantized_cache:  # fp8: quantized on write, dequantized on read
             scales["k_scale"], scales["v_scale"] = self.kv_scales(kv_cache)
-        reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        if not plan.decode_only:  # a decode step's kernel writes its K/V itself
+            reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = self.scale if scale is None else scale
         layer = {"window": window, "softcap": softcap, **scales}
         if plan.decode_only:
+            split = plan.num_splits > 1
             paged_attention_decode(
                 q,
                 k_cache,
@@ -147,7 +157,11 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 meta.max_seq_len,
                 plan.num_splits,
-                self.workspace if plan.num_splits > 1 else None,
+                self.workspace if split else None,
+                counters=self.counters if split else None,
+                key=k,
+                value=v,
+                slot_mapping=meta.slot_mapping,
                 **self.decode_kwargs,
                 **layer,
             )

@@ -1,9 +1,14 @@
-"""Split-K ("flash-decoding") paged attention for one query token per sequence.
+"""Split-K ("flash-decoding") paged attention for one query token per sequence, in one launch.
 
 Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
 to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
-table, and writes a partial (acc, max, sum) to a fp32 workspace; `_reduce_kernel` merges the
-splits. With num_splits == 1 the first kernel writes `out` directly. Launch grids depend only
+table. With num_splits == 1 it writes `out` directly. Otherwise it writes a partial (acc, max,
+sum) to a fp32 workspace and takes a ticket from an int32 counter per (sequence, KV head): the
+program that takes the last merges the splits in index order (the same result whichever
+program finishes last), writes `out` and resets the counter to 0 for the next launch.
+
+Given this step's `key`/`value`, the program whose split holds the newest position also
+writes that token to the cache first (`reshape_and_cache` fused in). Launch grids depend only
 on shapes and num_splits, and seq_lens is read on the device, so it is CUDA-graph safe.
 """
 
@@ -20,8 +25,10 @@ from ._attn_common import (
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
+    _to_fp8,
     check_attention_args,
     dot_flags,
+    fp8_args,
     fp8_as_f16,
     head_pad,
     kv_scale_args,
@@ -33,6 +40,33 @@ _TARGET_PROGRAMS = 256  # enough (B x kv_heads x splits) programs to fill a larg
 _MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
 
 
+@triton.jit
+def _write_newest(
+    key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head, k_scale, v_scale,
+    stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+    MIN_ULP: tl.constexpr,
+):  # fmt: skip
+    """Sequence b's newest K/V of `kv_head` to its slot (slot < 0: padding, skipped), as
+    _reshape_and_cache_kernel stores it (fp8: x / scale, saturated and rounded alike)."""
+    slot = tl.load(slot_ptr + b64).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, HEAD_PAD)
+        mask = d < HEAD_DIM
+        k = tl.load(key_ptr + b64 * stride_kb + kv_head * stride_kh + d, mask=mask)
+        v = tl.load(value_ptr + b64 * stride_vb + kv_head * stride_vh + d, mask=mask)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst += kv_head * stride_ch + d
+        if QUANT:
+            ks = tl.broadcast_to(k_scale, (HEAD_PAD,))
+            vs = tl.broadcast_to(v_scale, (HEAD_PAD,))
+            k = _to_fp8(tl.math.div_rn(k.to(tl.float32), ks), FP8_MAX, ROUND, MANT, MIN_ULP)
+            v = _to_fp8(tl.math.div_rn(v.to(tl.float32), vs), FP8_MAX, ROUND, MANT, MIN_ULP)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
 # Arguments that vary from step to step are not specialised on (Triton compiles a variant for
 # an int equal to 1 or divisible by 16): a new variant met while serving costs a compile.
 @triton.jit(do_not_specialize=["window", "stride_bt", "num_splits"])
@@ -42,10 +76,14 @@ def _split_kernel(
     v_cache_ptr,
     out_ptr,
     ws_ptr,
+    count_ptr,
     seq_lens_ptr,
     bt_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    key_ptr,
+    value_ptr,
+    slot_ptr,
     qk_scale,
     cap_log2e,
     window,
@@ -60,6 +98,10 @@ def _split_kernel(
     stride_wb,
     stride_wh,
     stride_ws,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
     num_splits,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -67,13 +109,18 @@ def _split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    SPLIT: tl.constexpr,  # num_splits > 1: partial results to the workspace
+    SPLIT: tl.constexpr,  # num_splits > 1: partials to the workspace, merged by the last
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     QUANT: tl.constexpr,
     F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
+    WRITE_KV: tl.constexpr,  # write this step's key/value to the cache first
+    FP8_MAX: tl.constexpr,
+    ROUND: tl.constexpr,
+    MANT: tl.constexpr,
+    MIN_ULP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
@@ -90,22 +137,34 @@ def _split_kernel(
     chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    b64 = b.to(tl.int64)
+
+    k_scale = 1.0
+    v_scale = 1.0
+    if QUANT:  # fp8 cache: K's scale folds into the scores, V's into the output
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        qk_scale = qk_scale * k_scale
+    if WRITE_KV:  # the newest token (position seq_len - 1) is in this split: cache it first
+        if (start <= seq_len - 1) & (seq_len - 1 < end):
+            _write_newest(
+                key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head,
+                k_scale, v_scale, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
+                stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, QUANT, FP8_MAX, ROUND,
+                MANT, MIN_ULP,
+            )  # fmt: skip
+        tl.debug_barrier()  # the program's threads read it below
 
     g = tl.arange(0, BLOCK_H)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_PAD)
     io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
-    b64 = b.to(tl.int64)
     q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=io_mask, other=0.0)
     if F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
-    v_scale = 1.0
-    if QUANT:  # fp8 cache: K's scale folds into the scores, V's into the output
-        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
-        v_scale = tl.load(v_scale_ptr + kv_head)
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
@@ -126,47 +185,40 @@ def _split_kernel(
 
     if QUANT:
         acc = acc * v_scale
+    o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
     if not SPLIT:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        w = ws_ptr + b64 * stride_wb + head * stride_wh + split * stride_ws
+        w_row = ws_ptr + b64 * stride_wb + head * stride_wh  # [BLOCK_H]: split 0 of each head
+        w = w_row + split * stride_ws
         tl.store(w[:, None] + d[None, :], acc, mask=io_mask)
         tl.store(w + HEAD_DIM, m_i, mask=row_ok)
         tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _reduce_kernel(
-    ws_ptr,
-    out_ptr,
-    stride_wb,
-    stride_wh,
-    stride_ws,
-    stride_ob,
-    stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # MAX_SPLITS rounded up: one variant for every split count
-    PDL: tl.constexpr,
-):
-    pdl.enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    ok = s < num_splits
-    w = ws_ptr + b * stride_wb + head * stride_wh + s * stride_ws
-    d = tl.arange(0, HEAD_PAD)
-    m = tl.load(w + HEAD_DIM, mask=ok, other=-1.0e30)
-    l_s = tl.load(w + HEAD_DIM + 1, mask=ok, other=0.0)
-    acc = tl.load(w[:, None] + d[None, :], mask=_dim_mask(ok, HEAD_DIM, HEAD_PAD), other=0.0)
-    scale = tl.exp2(m - tl.max(m, 0))
-    denom = tl.sum(scale * l_s, 0)
-    o = tl.sum(acc * scale[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    o_ptrs = out_ptr + b * stride_ob + head * stride_oh + d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+        slot = b * tl.num_programs(1) + kv_head
+        if tl.atomic_add(count_ptr + slot, 1) == num_splits - 1:  # acq_rel: partials visible
+            # The last program merges, as the splits' own softmax states: max over splits,
+            # then the sums rescaled to it, in split order.
+            m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+            for s in range(0, num_splits):
+                m_s = tl.load(w_row + s * stride_ws + HEAD_DIM, mask=row_ok, other=-1.0e30,
+                              cache_modifier=".cg")  # fmt: skip
+                m = tl.maximum(m, m_s)
+            denom = tl.zeros([BLOCK_H], tl.float32)
+            total = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+            for s in range(0, num_splits):
+                ws = w_row + s * stride_ws
+                m_s = tl.load(ws + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+                l_s = tl.load(ws + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(ws[:, None] + d[None, :], mask=io_mask, other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                scale = tl.exp2(m_s - m)
+                denom += scale * l_s
+                total += acc_s * scale[:, None]
+            tl.atomic_xchg(count_ptr + slot, 0)  # zero again for the next launch
+            o = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -188,6 +240,14 @@ def decode_workspace(
                        device=device)  # fmt: skip
 
 
+def decode_counters(
+    max_batch: int, num_kv_heads: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """int32 zeros `[max_batch * num_kv_heads]`: the split-K tickets; every launch leaves them
+    zero, so one buffer serves every layer and CUDA graph."""
+    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def paged_attention_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -207,14 +267,23 @@ def paged_attention_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     f16: bool | None = None,
+    counters: torch.Tensor | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context (its last
     `window` positions with a window); writes `out`. `softcap`, and `k_scale`/`v_scale` of
     an fp8 cache, as in paged_attention_varlen.
 
     q/out `[B, num_heads, head_dim]`; seq_lens int32 `[B]` (0 gives zeros); block_tables
-    int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits` and a `workspace`
-    from `decode_workspace` (any buffer with dims >= `[B, num_heads, num_splits, D + 2]`).
+    int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits`, a `workspace` from
+    `decode_workspace` (any buffer with dims >= `[B, num_heads, num_splits, D + 2]`) and
+    `counters` from `decode_counters` (int32 zeros, >= B * kv_heads; left zero).
+
+    `key`/`value` `[B, kv_heads, head_dim]` with `slot_mapping` `[B]`: this step's K/V,
+    written to the cache first as `reshape_and_cache` would (slot < 0 skipped); each is
+    sequence b's newest token, position seq_lens[b] - 1.
     """
     group = check_attention_args(q, k_cache, v_cache)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -231,31 +300,41 @@ def paged_attention_decode(
         assert workspace.dtype == torch.float32 and workspace.stride(-1) == 1
         assert workspace.shape[0] >= batch and workspace.shape[1] == num_heads
         assert workspace.shape[2] >= num_splits and workspace.shape[3] >= head_dim + 2
+        if counters is None:
+            counters = decode_counters(batch, num_kv_heads, q.device)
+        assert counters.dtype == torch.int32 and counters.numel() >= batch * num_kv_heads
         ws, ws_strides = workspace, workspace.stride()[:3]
     else:
-        ws, ws_strides = out, (0, 0, 0)  # unused
+        ws, ws_strides, counters = out, (0, 0, 0), seq_lens  # unused
+    write = key is not None
+    if write:
+        assert value is not None and slot_mapping is not None
+        assert key.shape == (batch, num_kv_heads, head_dim) and value.shape == key.shape
+        assert key.stride(-1) == 1 and value.stride(-1) == 1, "last dim must be contiguous"
+        assert slot_mapping.shape[0] >= batch
+        kv_args = (key, value, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
+                   value.stride(1))  # fmt: skip
+    else:
+        kv_args = (seq_lens, seq_lens, seq_lens, 0, 0, 0, 0)  # unread
     # Tuned on an H200 (bf16, D=128): BLOCK_N 128, 4 warps, 3 stages; K+V tile <= 64 KiB.
     # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
     pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
     block_n = block_n or min(128, 32768 // (pad * q.element_size()))
     sargs = score_args(scale, window, softcap)
     k_scale, v_scale, quant = kv_scale_args(k_cache, k_scale, v_scale, num_kv_heads)
+    fp8 = fp8_args(k_cache)
+    del fp8["QUANT"]
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, ws, seq_lens, block_tables,
+        q, k_cache, v_cache, out, ws, counters, seq_lens, block_tables,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
-        sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
+        *kv_args[:3], sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, num_splits,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad, SPLIT=num_splits > 1,
-        **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"], SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
-        F16=fp8_as_f16(q, quant) if f16 is None else f16,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, *kv_args[3:],
+        num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad,
+        SPLIT=num_splits > 1, **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"],
+        SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
+        F16=fp8_as_f16(q, quant) if f16 is None else f16, WRITE_KV=write, **fp8,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch()
     )  # fmt: skip
-    if num_splits > 1:
-        _reduce_kernel[(batch, num_heads)](
-            ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, HEAD_PAD=pad, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS),
-            num_warps=4, **pdl.launch()
-        )  # fmt: skip
     return out

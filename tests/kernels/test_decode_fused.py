@@ -1,0 +1,199 @@
+"""The one-launch decode (interpreter, tiny shapes): the split kernel writes the step's K/V to
+the cache (as reshape_and_cache: bit-exact, fp8 included) before it reads it, and the last
+split of each (sequence, KV head) merges the splits; against a torch write and the float64
+reference, the counters left zero."""
+
+import pytest
+import torch
+from test_attention import TOL, i32, make_cache, rel_err
+from test_kv_fp8 import FP8, fp8_cache
+from test_window_softcap import reference
+
+from paged.kernels import decode_workspace, paged_attention_decode
+from paged.kernels.decode import decode_counters
+from paged.model.kv_quant import dequantize, quantize
+
+# Block n 16, four splits: 150's newest in the last split, 33's in split 2 and 17's in split 1
+# (the later splits empty), 5's and 1's in split 0; a padding row (seq_len 0, slot -1).
+SEQ_LENS = [5, 150, 33, 0, 17, 1]
+BLOCK_N = 16
+
+
+def newest_split(seq_len: int, splits: int, block_n: int) -> int:
+    """The split of the kernel's partition (no window) that holds position seq_len - 1."""
+    per_split = -(-seq_len // splits)
+    return (seq_len - 1) // (-(-per_split // block_n) * block_n)
+
+
+def test_cases_reach_a_middle_split():
+    splits = [newest_split(s, 4, BLOCK_N) for s in SEQ_LENS if s]
+    assert splits == [0, 3, 2, 1, 0]
+
+
+def newest_slots(table, seq_lens, block_size, padding=()) -> torch.Tensor:
+    """Each sequence's slot of position seq_len - 1 (-1 for padding rows)."""
+    slots = [-1 if b in padding or n == 0 else
+             int(table[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+             for b, n in enumerate(seq_lens)]  # fmt: skip
+    return torch.tensor(slots, dtype=torch.long, device=table.device)
+
+
+def qkv(batch, heads, kv_heads, head_dim, dtype, gen, device, mag=1.0):
+    """q, k, v as views of one fused projection output (strided rows, as the model has)."""
+    x = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, generator=gen) * mag
+    x = x.to(device, dtype)
+    q, k, v = x.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    view = lambda t, h: t.view(batch, h, head_dim)  # noqa: E731
+    return view(q, heads), view(k, kv_heads), view(v, kv_heads)
+
+
+def poison(cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """NaN at the slots the kernel writes: reading one before the write shows in the output."""
+    flat = cache.view(2, -1, *cache.shape[3:])
+    ok = slots[slots >= 0]
+    if cache.dtype in FP8:
+        flat.view(torch.uint8)[:, ok] = 0x7F  # NaN in e4m3fn and e5m2
+    else:
+        flat[:, ok] = float("nan")
+
+
+def torch_write(cache, k, v, slots, scales=None) -> torch.Tensor:
+    """The cache after reshape_and_cache's write, in torch."""
+    want = cache.clone()
+    flat = want.view(2, -1, *cache.shape[3:])
+    ok = slots >= 0
+    for i, x in enumerate((k, v)):
+        x = x[ok]
+        if scales is not None:
+            x = quantize(x.float(), scales[i], cache.dtype)
+        flat[i, slots[ok]] = x.to(cache.dtype)
+    return want
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype in FP8:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def run_fused(q, k, v, kv, table, seq_lens, slots, splits, counters=None, workspace=None,
+              **kw) -> torch.Tensor:  # fmt: skip
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    paged_attention_decode(q, kv[0], kv[1], out, i32(seq_lens, q.device), table, 0.3,
+                           max(seq_lens), splits, workspace, block_n=BLOCK_N, counters=counters,
+                           key=k, value=v, slot_mapping=slots, **kw)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (3, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_write_and_merge(heads, kv_heads, dtype, num_splits, device):
+    gen = torch.Generator().manual_seed(hash((heads, str(dtype), num_splits)) % 2**31)
+    head_dim, block_size = 32, 8
+    kv, table = make_cache(SEQ_LENS, kv_heads, head_dim, block_size, dtype, gen, device)
+    q, k, v = qkv(len(SEQ_LENS), heads, kv_heads, head_dim, dtype, gen, device)
+    slots = newest_slots(table, SEQ_LENS, block_size)
+    want = torch_write(kv, k, v, slots)
+    poison(kv, slots)
+    counters = decode_counters(len(SEQ_LENS), kv_heads, device) if num_splits > 1 else None
+    out = run_fused(q, k, v, kv, table, SEQ_LENS, slots, num_splits, counters)
+    assert same_bits(kv, want)  # the newest K/V written, nothing else touched
+    assert not out.isnan().any()
+    assert not out[SEQ_LENS.index(0)].any()  # the padding row: zeros
+    ref = reference(q, want, [1] * len(SEQ_LENS), SEQ_LENS, table, 0.3)
+    assert rel_err(out, ref) < TOL[dtype]
+    if counters is not None:
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_write_fp8(fp8, dtype, num_splits, device):
+    """The fp8 cache: stored as torch's quantize (subnormals, rounding carries, saturation),
+    read back dequantized."""
+    gen = torch.Generator().manual_seed(num_splits + 10 * FP8.index(fp8))
+    heads, kv_heads, head_dim, block_size = 8, 2, 24, 8  # 24: masked head dims
+    kv, scales, _, table = fp8_cache(SEQ_LENS, kv_heads, head_dim, block_size, fp8, gen,
+                                     device)  # fmt: skip
+    q, k, v = qkv(len(SEQ_LENS), heads, kv_heads, head_dim, dtype, gen, device)
+    k = k * torch.logspace(-4, 3, head_dim).to(device, dtype)  # every magnitude, per dim
+    slots = newest_slots(table, SEQ_LENS, block_size)
+    want = torch_write(kv, k, v, slots, scales)
+    poison(kv, slots)
+    out = run_fused(q, k, v, kv, table, SEQ_LENS, slots, num_splits, k_scale=scales[0],
+                    v_scale=scales[1])  # fmt: skip
+    assert same_bits(kv, want)
+    deq = torch.stack([dequantize(want[i], scales[i], torch.float32) for i in (0, 1)])
+    ref = reference(q, deq, [1] * len(SEQ_LENS), SEQ_LENS, table, 0.3)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window,softcap", [(20, None), (7, 2.0), (1, None)])
+def test_fused_window_softcap(window, softcap, device):
+    """A window: the split partition starts at seq_len - window; the newest is still written
+    by the split that holds it."""
+    gen = torch.Generator().manual_seed(window)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 8
+    kv, table = make_cache(SEQ_LENS, kv_heads, head_dim, block_size, torch.float32, gen, device)
+    q, k, v = qkv(len(SEQ_LENS), heads, kv_heads, head_dim, torch.float32, gen, device)
+    slots = newest_slots(table, SEQ_LENS, block_size)
+    want = torch_write(kv, k, v, slots)
+    poison(kv, slots)
+    out = run_fused(q, k, v, kv, table, SEQ_LENS, slots, 3, window=window, softcap=softcap)
+    assert same_bits(kv, want)
+    ref = reference(q, want, [1] * len(SEQ_LENS), SEQ_LENS, table, 0.3, window, softcap)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_counters_and_workspace_shared_by_launches(device):
+    """Two layers' launches (different splits) through one oversized workspace and counter
+    buffer, as the backend and its graphs use them: each correct, the counters zero after
+    each; a row with a slot of -1 but a context (a graph's stale row) writes nothing."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
+    ws = decode_workspace(16, heads, head_dim, 8, device=device)
+    counters = decode_counters(16, kv_heads, device)
+    for splits in (4, 2, 7):
+        kv, table = make_cache(SEQ_LENS, kv_heads, head_dim, block_size, torch.float32, gen,
+                               device)  # fmt: skip
+        q, k, v = qkv(len(SEQ_LENS), heads, kv_heads, head_dim, torch.float32, gen, device)
+        slots = newest_slots(table, SEQ_LENS, block_size, padding=(2,))
+        want = torch_write(kv, k, v, slots)
+        out = run_fused(q, k, v, kv, table, SEQ_LENS, slots, splits, counters, ws)
+        assert same_bits(kv, want) and not counters.any()
+        ref = reference(q, want, [1] * len(SEQ_LENS), SEQ_LENS, table, 0.3)
+        assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def test_backend_decode_step_writes_the_cache(device):
+    """TritonAttentionBackend.forward on a decode-only step: one kernel writes K/V and
+    attends (no reshape_and_cache); a step with a prefill row still writes first."""
+    from paged.kernels.backend import TritonAttentionBackend
+    from paged.model.attention import AttentionMetadata
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
+    seq_lens = [150, 33, 17]
+    backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
+                                     torch.float32, torch.device(device))  # fmt: skip
+    kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, gen, device)
+    q, k, v = qkv(len(seq_lens), heads, kv_heads, head_dim, torch.float32, gen, device)
+    slots = newest_slots(table, seq_lens, block_size)
+    want = torch_write(kv, k, v, slots)
+    poison(kv, slots)
+    n = len(seq_lens)
+    meta = AttentionMetadata(
+        num_reqs=n, num_decodes=n, num_tokens=n, query_start_loc=i32(list(range(n + 1)), device),
+        seq_lens=i32(seq_lens, device), block_tables=table, slot_mapping=slots, max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )  # fmt: skip
+    meta = backend.plan(meta, num_splits=4)
+    assert backend.counters is not None and backend.counters.numel() >= n * kv_heads
+    out = backend.forward(q, k, v, kv, meta)
+    assert same_bits(kv, want) and not backend.counters.any()
+    ref = reference(q, want, [1] * n, seq_lens, table, 0.3)
+    assert rel_err(out, ref) < TOL[torch.float32]
