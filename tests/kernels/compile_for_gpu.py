@@ -153,6 +153,13 @@ def quantized_linears() -> None:
         gemv_split_k(t(1, 2 * k), t(n, k), None, config, t(n, dtype=torch.int32),
                      silu_mul=True)  # fmt: skip
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
+    from paged.kernels.fp8_gemv import fp8_gemv_split
+
+    for rows, config in ((1, (64, 256, 1, 4, 4)), (1, (64, 128, 4, 4, 2)),
+                         (3, (128, 128, 2, 4, 3))):  # fmt: skip
+        # the fp8 decode GEMV split over K (paged_cuda.fp8_select), with a bias
+        fp8_gemv_split(t(rows, k), w8, t(n, 1, dtype=torch.float32), t(n), config,
+                       t(n, dtype=torch.int32))  # fmt: skip
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
@@ -247,6 +254,10 @@ def decode_with_pdl() -> None:
     gemv_split_k(t(1, 2 * hidden), t(n, hidden), None, (4, 128, 2, 4), t(n, dtype=torch.int32),
                  silu_mul=True)  # fmt: skip
     fp8_linear(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), hidden)
+    from paged.kernels.fp8_gemv import fp8_gemv_split
+
+    fp8_gemv_split(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), None,
+                   (64, 128, 2, 4, 2), t(n, dtype=torch.int32))  # fmt: skip
     moe_route(t(1, 128), 8, True, torch.bfloat16)
     fused_moe_from_logits(x, t(128, 2 * 128, hidden), t(128, hidden, 128), t(1, 128), 8, True,
                           torch.bfloat16, norm=(t(1, hidden), w, 1e-6))  # fmt: skip

@@ -26,7 +26,9 @@ class CudaPlatform(AcceleratorPlatform):
         PlatformOption(
             "cuda_tuned_gemv",
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
-            "where timing both at start-up finds it faster than cuBLAS; off: cuBLAS always",
+            "where timing both at start-up finds it faster than cuBLAS, and fp8 linears of up "
+            "to four rows on the split-K fp8 GEMV where it beats the unsplit one; off: cuBLAS "
+            "and the unsplit fp8 GEMV always",
             True,
         ),
         PlatformOption(
@@ -66,6 +68,9 @@ class CudaPlatform(AcceleratorPlatform):
             from paged_cuda.gemv_select import use_measured_gemv
 
             use_measured_gemv(model)
+            from paged_cuda.fp8_select import use_measured_fp8_gemv
+
+            use_measured_fp8_gemv(model)
             self.empty_cache()  # the timing graphs' memory
 
     def ops(self):

@@ -1,0 +1,166 @@
+"""The fp8 decode GEMV split over K: `gemv.fp8_gemv_dot`'s arithmetic (fp8 weights with
+per-row scales, the rows quantized per token to e4m3 inside, the product on the tensor cores
+with the operands swapped) on a grid of (output blocks, SPLIT slices of K). A projection with
+few output blocks (Llama-3.1-8B's o_proj and down: 64 blocks of 64 rows) fills the GPU's SMs
+only when K is split too.
+
+Every program reads the whole rows for their absmax (the token's scale, as the unsplit kernel
+computes it), quantizes its slice of them and multiplies its slice of the weight; it writes
+float32 partial sums, and the last program of an output block (counted atomically) adds the
+SPLIT partials in slice order, scales them, adds the bias, stores the block and resets its
+counter. So the result is the unsplit kernel's up to the float32 order of the sums, and the
+same whichever program finishes last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged.kernels import pdl
+from paged.kernels.e4m3 import quantize_e4m3, token_scale
+from paged.kernels.gemv import DOT_WIDTH
+
+Config = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
+AMAX_ELEMENTS = 4096  # activations read a step for the rows' absmax (32 a thread at 4 warps)
+
+
+@triton.jit
+def _fp8_gemv_split_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_N outputs of all M rows over one of SPLIT slices of K. ROWS (M rounded up to a
+    power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
+    _fp8_gemv_dot_kernel. The rows' absmax is read AMAX_K columns a step (a few wide loads,
+    not K / BLOCK_K dependent ones). The first weight tile is loaded before the PDL wait
+    (`pdl`): no kernel writes the weight."""
+    REP: tl.constexpr = 16 // ROWS
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    w_rows = w_ptr + cols64[:, None] * stride_wn
+    k_start = pid_s * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    ks = k_start + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :], other=0.0)
+    pdl.enter(PDL)
+    r = tl.arange(0, ROWS)
+    r_ok = r < M
+    x_rows = x_ptr + r.to(tl.int64)[:, None] * stride_xm
+    amax = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
+    for k0 in range(0, K, AMAX_K):  # the whole rows: the token's scale
+        kk = k0 + tl.arange(0, AMAX_K)
+        a = tl.load(x_rows + kk[None, :], mask=r_ok[:, None] & (kk < K)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
+    x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    acc = _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS, REP, BLOCK_K)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :],
+                    other=0.0)  # fmt: skip
+        acc = _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS, REP, BLOCK_K)
+    c = tl.arange(0, 16)
+    row = c // REP
+    keep = col_ok[:, None] & ((row < M) & (c % REP == 0))[None, :]  # one column a row
+    if SPLIT == 1:
+        _finish(acc, x_scale, ws_ptr, bias_ptr, out_ptr, cols64, col_ok, row, keep, stride_om,
+                HAS_BIAS, ROWS, REP)  # fmt: skip
+    else:
+        part = part_ptr + row.to(tl.int64)[None, :] * SPLIT * N + cols64[:, None]
+        tl.store(part + pid_s * N, acc, mask=keep)
+        if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:  # acq_rel: the partials visible
+            total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part + s * N, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+            _finish(total, x_scale, ws_ptr, bias_ptr, out_ptr, cols64, col_ok, row, keep,
+                    stride_om, HAS_BIAS, ROWS, REP)  # fmt: skip
+
+
+@triton.jit
+def _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS: tl.constexpr, REP: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + the weight tile `w` (columns `ks`) times the rows' quantized columns `ks`."""
+    a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & (ks < k_end)[None, :], other=0.0)
+    q = quantize_e4m3(a.to(tl.float32), x_scale[:, None])
+    q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
+    return acc + tl.dot(w, tl.trans(q16.to(w.dtype)), out_dtype=tl.float32)
+
+
+@triton.jit
+def _finish(acc, x_scale, ws_ptr, bias_ptr, out_ptr, cols64, col_ok, row, keep, stride_om,
+            HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, REP: tl.constexpr):  # fmt: skip
+    """The summed block times the weight's and the rows' scales, plus the bias, stored."""
+    xs16 = tl.reshape(tl.broadcast_to(x_scale[:, None], (ROWS, REP)), (16,))
+    acc = acc * tl.load(ws_ptr + cols64, mask=col_ok, other=0.0)[:, None] * xs16[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols64, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    ptrs = out_ptr + row.to(tl.int64)[None, :] * stride_om + cols64[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def split_counters(n: int, config: Config) -> int:
+    """How many int32 counters `fp8_gemv_split` needs for a weight of n rows under `config`."""
+    return triton.cdiv(n, config[0])
+
+
+def fp8_gemv_split(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: Config,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """The fp8 linear (per-row weight scales [N, 1], x [M, K] quantized per token, M <= 16)
+    with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps, stages). `counters`: int32
+    zeros, at least split_counters(); every launch leaves them zero again (so they can be
+    shared by the linears of a stream, and captured in a CUDA graph)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, block_k, split, warps, stages = config
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    part = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    assert split == 1 or counters.numel() >= split_counters(n, config)
+    rows = triton.next_power_of_2(m)
+    amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
+    _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
+        x, weight, scale, bias if bias is not None else out, out, part, counters, m, n, k, per,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        ROWS=rows, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k,
+        num_warps=warps, num_stages=stages, **pdl.launch(),
+    )  # fmt: skip
+    return out
+
+
+class Fp8SplitGemv:
+    """A per-channel fp8 QuantLinear's forward on `fp8_gemv_split` for inputs of up to
+    `max_rows` rows (a measured choice: the CUDA plugin's fp8_select installs it per weight
+    shape), the layer's own forward otherwise."""
+
+    def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor,
+                 max_rows: int = 4) -> None:  # fmt: skip
+        self.mod, self.config, self.counters, self.max_rows = mod, config, counters, max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        if x.numel() > self.max_rows * k:
+            return type(self.mod).forward(self.mod, x)
+        mod = self.mod
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = fp8_gemv_split(x2, mod.weight, mod.weight_scale, mod.bias, self.config,
+                           self.counters)  # fmt: skip
+        return y.view(*x.shape[:-1], mod.weight.shape[0])

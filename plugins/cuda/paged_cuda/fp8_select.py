@@ -1,0 +1,135 @@
+"""Measured config for fp8 linears at one to four rows (decode with `--quantization fp8`).
+
+Those run paged's tensor-core fp8 GEMV (paged.kernels.gemv.fp8_gemv_dot): one program per
+64 output rows over the whole K, so a projection with few output rows leaves SMs idle
+(Llama-3.1-8B's o_proj and down: 64 programs on an H200's 132 SMs). At start-up, for each
+per-channel fp8 weight shape among the model's linears, the unsplit kernel (its own config)
+and the same kernel split over K (paged.kernels.fp8_gemv) under a few configurations are
+timed at one row, each in a CUDA graph over every weight of that shape (so they come from
+HBM, as in a decode step); a shape whose best split config beats the unsplit kernel by
+MARGIN runs it for inputs of up to four rows. More rows keep the platform's fp8 linear.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+import triton
+from torch import nn
+
+from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
+from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, fp8_gemv_dot
+from paged_cuda.gemv_select import graph_time
+
+log = logging.getLogger("paged")
+
+MARGIN = 0.97  # a split config is taken only when it takes at most this fraction of the time
+SMEM_SLACK = 8192  # shared memory kept back from the pipeline's stages (the reduction's)
+
+
+def stages_for(block_n: int, block_k: int, steps: int, smem: int) -> int:
+    """Pipeline stages for `steps` BLOCK_K steps a program: up to 4, no more than the steps,
+    as many as the device's shared memory holds (the weight tile and 16 activation columns)."""
+    stages = max(1, min(4, steps))
+    while stages > 1 and stages * (block_n + DOT_WIDTH) * block_k > smem - SMEM_SLACK:
+        stages -= 1
+    return stages
+
+
+def candidates(n: int, k: int, sms: int, smem: int) -> list[Config]:
+    """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) to try for weight [n, k] on a GPU of `sms`
+    SMs with `smem` bytes of shared memory a block: K split so that the programs fill the
+    SMs about one to four times over, each slice at least two BLOCK_K steps and none empty."""
+    out = []
+    for block_n in (32, 64, 128):
+        blocks = triton.cdiv(n, block_n)
+        for split in (2, 3, 4, 6, 8):
+            if not sms <= blocks * split <= 4 * sms:
+                continue
+            for block_k in (256, 512):
+                per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+                if per < 2 * block_k or per * (split - 1) >= k:
+                    continue
+                stages = stages_for(block_n, block_k, per // block_k, smem)
+                out.append((block_n, block_k, split, 4, stages))
+    return out
+
+
+def choose(
+    shapes: dict[tuple[int, int], list],
+    configs: Callable[[int, int], list[Config]],
+    time_unsplit: Callable[[list], float],
+    time_split: Callable[[list, Config], float],
+) -> dict[tuple[int, int], tuple[Config, float, float]]:
+    """{(n, k): (config, split seconds, unsplit seconds)} for the shapes where a split config
+    takes at most MARGIN of the unsplit kernel's time (timers injected: tests run without a
+    GPU; a config that does not compile or run times as infinite)."""
+    chosen = {}
+    for (n, k), mods in shapes.items():
+        tries = configs(n, k)
+        if not tries:  # enough output blocks already (an LM head), nothing to time
+            continue
+        base = time_unsplit(mods)
+        best, config = min((time_split(mods, c), c) for c in tries)
+        if best <= MARGIN * base and math.isfinite(best):
+            chosen[(n, k)] = (config, best, base)
+    return chosen
+
+
+def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
+    """The model's fp8 linears with per-channel scales on the GPU, by weight shape (n, k)."""
+    from paged.quantization.base import QuantLinear
+
+    shapes: dict[tuple[int, int], list[nn.Module]] = {}
+    for mod in model.modules():
+        if not isinstance(mod, QuantLinear) or "forward" in vars(mod):
+            continue
+        w, s = getattr(mod, "weight", None), getattr(mod, "weight_scale", None)
+        if w is None or s is None or not w.is_cuda or w.dtype != torch.float8_e4m3fn:
+            continue
+        if w.dim() == 2 and s.shape == (w.shape[0], 1) and w.stride(1) == 1:
+            shapes.setdefault(tuple(w.shape), []).append(mod)
+    return shapes
+
+
+def use_measured_fp8_gemv(model: nn.Module) -> None:
+    """Time and install the split fp8 GEMV per weight shape where it beats the unsplit one."""
+    shapes = fp8_linears(model)
+    if not shapes:
+        return
+    device = next(iter(shapes.values()))[0].weight.device
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    sms, smem = props["multiprocessor_count"], props["max_shared_mem"]
+    half = (torch.bfloat16, torch.float16)  # the model's dtype (its scales are float32)
+    dtype = next((p.dtype for p in model.parameters() if p.dtype in half), torch.float32)
+    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
+    most = max((split_counters(n, c) for n, k in shapes for c in candidates(n, k, sms, smem)),
+               default=1)  # fmt: skip
+    counters = torch.zeros(most, dtype=torch.int32, device=device)
+
+    def time_unsplit(mods: list[nn.Module]) -> float:
+        x = xs[mods[0].weight.shape[1]]
+        return graph_time([lambda m=m: fp8_gemv_dot(x, m.weight, m.weight_scale, m.bias)
+                           for m in mods])  # fmt: skip
+
+    def time_split(mods: list[nn.Module], config: Config) -> float:
+        x = xs[mods[0].weight.shape[1]]
+        calls = [lambda m=m: fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config,
+                                            counters) for m in mods]  # fmt: skip
+        try:
+            return graph_time(calls)
+        except triton.runtime.errors.OutOfResources:  # at the first (uncaptured) call
+            return math.inf
+
+    with torch.inference_mode():
+        chosen = choose(shapes, lambda n, k: candidates(n, k, sms, smem), time_unsplit,
+                        time_split)  # fmt: skip
+    for (n, k), (config, best, base) in chosen.items():
+        for mod in shapes[(n, k)]:
+            mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS)
+        log.info("fp8 linears %dx%d (%d): split-K GEMV %s %.1f us, unsplit %.1f us", n, k,
+                 len(shapes[(n, k)]), config, best * 1e6, base * 1e6)  # fmt: skip
+    torch.cuda.synchronize()

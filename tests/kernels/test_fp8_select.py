@@ -1,0 +1,146 @@
+"""The CUDA plugin's measured choice between the unsplit and the split-K fp8 decode GEMV
+(paged_cuda.fp8_select): the candidate configs, the choice under given timings, and which
+linears it times. On a GPU the timings are real: `paged bench latency --quantization fp8`
+logs each shape's choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+from torch import nn
+
+fp8_select = pytest.importorskip("paged_cuda.fp8_select")
+
+H200 = (132, 232448)  # SMs, shared memory a block (bytes)
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.parametrize("n, k", [*LLAMA_8B, (128256, 4096), (2048, 4096), (512, 2048)])
+@pytest.mark.parametrize("sms, smem", [H200, (84, 101376)])  # and an Ada GPU's
+def test_candidates_fill_the_gpu_with_whole_slices_that_fit(n, k, sms, smem):
+    got = fp8_select.candidates(n, k, sms, smem)
+    assert len(got) == len(set(got)) <= 16
+    for block_n, block_k, split, warps, stages in got:
+        per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps
+        assert split > 1 and warps == 4 and sms <= triton.cdiv(n, block_n) * split <= 4 * sms
+        assert per >= 2 * block_k and per * (split - 1) < k  # no empty slice
+        assert 1 <= stages <= min(4, per // block_k)
+        assert stages * (block_n + 16) * block_k <= smem - fp8_select.SMEM_SLACK
+    if (n, k) == (128256, 4096):  # an LM head: enough output blocks already
+        assert got == []
+    if (n, k) in LLAMA_8B and (sms, smem) == H200:
+        assert got
+
+
+def test_stages_follow_the_steps_and_the_shared_memory():
+    assert fp8_select.stages_for(64, 512, 8, 232448) == 4
+    assert fp8_select.stages_for(64, 512, 2, 232448) == 2  # no more stages than steps
+    assert fp8_select.stages_for(128, 512, 8, 232448) == 3  # 3 x 72 KB
+    assert fp8_select.stages_for(128, 512, 8, 101376) == 1
+
+
+def test_a_shape_takes_the_fastest_split_only_when_it_beats_the_unsplit_kernel():
+    shapes = {(4096, 4096): ["o"] * 3, (6144, 4096): ["qkv"] * 2, (28672, 4096): ["gate_up"],
+              (128256, 4096): ["head"]}  # fmt: skip
+    unsplit = {"o": 10e-6, "qkv": 10e-6, "gate_up": 30e-6}
+    timed = []
+
+    def configs(n, k):
+        return fp8_select.candidates(n, k, *H200)
+
+    def time_unsplit(mods):
+        timed.append(mods[0])
+        return unsplit[mods[0]]
+
+    def time_split(mods, config):
+        if config[2] == 8:  # does not compile: shared memory
+            return math.inf
+        if mods[0] == "gate_up":  # never faster enough
+            return 29.5e-6
+        return {"o": 6e-6, "qkv": 9e-6}[mods[0]] * (1 + config[2] / 100 + config[0] / 1e4)
+
+    chosen = fp8_select.choose(shapes, configs, time_unsplit, time_split)
+    assert set(chosen) == {(4096, 4096), (6144, 4096)}
+    assert timed == ["o", "qkv", "gate_up"]  # a shape with no candidate is not timed at all
+    config, best, base = chosen[(4096, 4096)]
+    assert base == 10e-6 and config[2] == min(c[2] for c in configs(4096, 4096))
+    assert best == min(time_split(["o"], c) for c in configs(4096, 4096))
+
+
+def test_nothing_is_chosen_when_no_split_config_runs():
+    chosen = fp8_select.choose({(4096, 4096): ["o"]}, lambda n, k: [(64, 256, 4, 4, 2)],
+                               lambda mods: 1.0, lambda mods, c: math.inf)  # fmt: skip
+    assert chosen == {}
+
+
+def test_only_per_channel_fp8_linears_on_the_gpu_are_timed(monkeypatch):
+    """Per-channel fp8 QuantLinears by weight shape; not block-scaled ones, dense linears,
+    linears already given a forward, or (here, on CPU) any: they are not on a GPU."""
+    from paged.quantization.base import QuantLinear
+    from paged.quantization.fp8 import Fp8Method
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = QuantLinear(64, 32, False, Fp8Method())
+            self.b = QuantLinear(64, 32, True, Fp8Method())
+            self.c = QuantLinear(64, 48, False, Fp8Method())
+            self.blocks = QuantLinear(256, 32, False, Fp8Method(block=(128, 128)))
+            self.dense = nn.Linear(64, 32)
+            self.done = QuantLinear(64, 32, False, Fp8Method())
+            self.done.forward = lambda x: x
+
+    model = Model()
+    assert fp8_select.fp8_linears(model) == {}  # CPU tensors
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    got = fp8_select.fp8_linears(model)
+    assert got == {(32, 64): [model.a, model.b], (48, 64): [model.c]}
+
+
+def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_only):
+    """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
+    shape): the decode rows run it (the prefill's rows the fp8 GEMM), and greedy output equals
+    the unsplit GEMV's."""
+    from paged import LLM, SamplingParams
+    from paged.kernels import fp8_gemv
+    from paged.quantization.base import QuantLinear
+    from paged_cpu.platform import CpuPlatform
+
+    split = []
+
+    class Fp8OnCpu(CpuPlatform):
+        name = "fp8-split-on-cpu"
+
+        def ops(self):
+            from paged.kernels.ops import triton_fused_ops
+
+            return {"fp8_linear": triton_fused_ops()["fp8_linear"]}
+
+        def prepare_model(self, model, config, source=None) -> None:
+            super().prepare_model(model, config, source)
+            counters = torch.zeros(64, dtype=torch.int32)
+            for mod in model.modules():
+                if isinstance(mod, QuantLinear) and split[0]:
+                    mod.forward = fp8_gemv.Fp8SplitGemv(mod, (16, 32, 3, 4, 1), counters)
+
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: Fp8OnCpu())
+    rows = []
+    real = fp8_gemv.fp8_gemv_split
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a: rows.append(len(x))
+                        or real(x, *a))  # fmt: skip
+    prompt = list(range(3, 40, 3))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = []
+    for on in (False, True):
+        split[:] = [on]
+        llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB",
+                  quantization="fp8")  # fmt: skip
+        got.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+        layers = len(llm.engine.runner.model.layers)
+        assert len(rows) == (3 * 4 * layers if on else 0)  # 3 decode steps, 4 linears a layer
+        del llm
+    assert set(rows) == {1} and got[0] == got[1]
