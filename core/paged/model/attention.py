@@ -155,6 +155,25 @@ class AttentionBackend:
         `options`: the layer's window/softcap/scale where set (never passed otherwise)."""
         raise NotImplementedError
 
+    def forward_rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Any,
+        **options: Any,
+    ) -> torch.Tensor:
+        """The rotary embedding of q and k (the platform's `rotary_embedding` op; `rope` is
+        what its `rotary_prepare` returned this step), then `forward`. A backend may rotate
+        inside its attention kernel instead (the Triton backend's decode steps)."""
+        from paged.model import ops
+
+        q, k = ops.get("rotary_embedding")(positions, q, k, rope)
+        return self.forward(q, k, v, kv_cache, meta, **options)
+
 
 def layer_options(
     backend: AttentionBackend,

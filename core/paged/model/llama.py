@@ -148,16 +148,26 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = ops.get("rotary_embedding")(positions, q, k, rope)
-        out = self.attend(q, k, v, meta)
+        out = self.attend(q, k, v, meta, positions, rope)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        positions: torch.Tensor | None = None,
+        rope=None,
     ) -> torch.Tensor:
-        """The backend's attention over this layer's cache, with its group's block tables."""
+        """The backend's attention over this layer's cache, with its group's block tables;
+        given `positions` and `rope`, q and k are rotated first (by the backend, which may do
+        it inside its kernel)."""
         meta = meta.group(self.kv_group)
-        return self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
+        if rope is None:
+            return self.backend.forward(q, k, v, self.kv_cache, meta, **self.attn_opts)
+        return self.backend.forward_rotary(positions, q, k, v, self.kv_cache, meta, rope,
+                                           **self.attn_opts)  # fmt: skip
 
 
 class MLP(nn.Module):
