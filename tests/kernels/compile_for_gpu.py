@@ -234,10 +234,12 @@ def decode_with_pdl() -> None:
     reshape_and_cache(kv, kv, cache[0], cache[1], t(1, dtype=torch.int64))
     q, lens, table = t(1, heads, hd), t(1, dtype=torch.int32), t(1, 4, dtype=torch.int32)
     for splits in (1, 4):  # the backend's decode step: the cache write fused in
-        paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), lens, table, 0.1, 64,
-                               splits, decode_workspace(1, heads, hd, 4, META),
-                               counters=t(kv_heads, dtype=torch.int32), key=kv, value=kv,
-                               slot_mapping=t(1, dtype=torch.int64))  # fmt: skip
+        for rotary in (None, (t(1, dtype=torch.int64), t(128, hd, dtype=torch.float32))):
+            paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), lens, table, 0.1,
+                                   64, splits, decode_workspace(1, heads, hd, 4, META),
+                                   counters=t(kv_heads, dtype=torch.int32), key=kv, value=kv,
+                                   slot_mapping=t(1, dtype=torch.int64),
+                                   rotary=rotary)  # fmt: skip
     x, w = t(1, hidden), t(hidden)
     rms_norm(x, w, 1e-6)
     fused_add_rms_norm(x, t(1, hidden), w, 1e-6)

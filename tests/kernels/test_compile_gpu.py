@@ -60,6 +60,8 @@ def test_every_kernel_compiles_for_sm90():
     fused = {flags(line) for line in split if "('WRITE_KV', True)" in line}
     assert {(s, q, False) for s in (True, False) for q in (True, False)} <= fused  # fp8 or not
     assert {(True, False, True), (False, False, True)} <= fused  # CUDA's decode step
+    rotated = {flags(line) for line in split if "('ROTARY', True)" in line}
+    assert {(True, False, True), (False, False, True)} <= rotated  # Llama's decode, rotary in
     plain = {flags(line) for line in split if "('WRITE_KV', False)" in line}
     assert {(True, False, False), (False, False, False), (True, True, False)} <= plain
     assert "kernel variants compiled for" in lines[-1]

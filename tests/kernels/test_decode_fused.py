@@ -197,3 +197,93 @@ def test_backend_decode_step_writes_the_cache(device):
     assert same_bits(kv, want) and not backend.counters.any()
     ref = reference(q, want, [1] * n, seq_lens, table, 0.3)
     assert rel_err(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn])
+def test_rotary_inside_the_decode(dtype, num_splits, fp8, device):
+    """q and the newest key rotated inside the kernel: the same cache bits and output as the
+    rotary kernel first (q and k rotated in memory), then the one-launch decode; q is left
+    as it was."""
+    from transformers import LlamaConfig
+
+    from paged.kernels import rotary_embedding
+    from paged.model.llama import rope_cache
+
+    gen = torch.Generator().manual_seed(num_splits + (fp8 is not None))
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
+    if fp8 is None:
+        kv, table = make_cache(SEQ_LENS, kv_heads, head_dim, block_size, dtype, gen, device)
+        scales = {}
+    else:
+        kv, sc, _, table = fp8_cache(SEQ_LENS, kv_heads, head_dim, block_size, fp8, gen,
+                                     device)  # fmt: skip
+        scales = {"k_scale": sc[0], "v_scale": sc[1]}
+    q, k, v = qkv(len(SEQ_LENS), heads, kv_heads, head_dim, dtype, gen, device)
+    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, rope_theta=500.0)
+    cos_sin = rope_cache(cfg, 256).to(device)
+    positions = torch.tensor([max(n - 1, 0) for n in SEQ_LENS], device=device)
+    slots = newest_slots(table, SEQ_LENS, block_size)
+    q0, k0, kv0 = q.clone(), k.clone(), kv.clone()
+    fused = run_fused(q, k, v, kv, table, SEQ_LENS, slots, num_splits,
+                      rotary=(positions, cos_sin), **scales)  # fmt: skip
+    assert torch.equal(q, q0) and torch.equal(k, k0)  # rotated in registers only
+    rq, rk = rotary_embedding(positions, q0.clone(), k0.clone(), cos_sin, head_dim)
+    want = run_fused(rq, rk, v, kv0, table, SEQ_LENS, slots, num_splits, **scales)
+    assert same_bits(kv, kv0) and torch.equal(fused, want)
+
+
+def test_backend_rotates_inside_decode_steps(device, monkeypatch):
+    """forward_rotary with the Triton op table: a decode-only step runs no rotary kernel and
+    equals the default (the rotary op, then forward)."""
+    from transformers import LlamaConfig
+
+    from paged import kernels
+    from paged.kernels.backend import TritonAttentionBackend
+    from paged.kernels.ops import triton_fused_ops
+    from paged.model import ops
+    from paged.model.attention import AttentionMetadata
+    from paged.model.llama import rope_cache
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
+    seq_lens = [150, 33, 17]
+    n = len(seq_lens)
+    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads)
+    rope = (torch.tensor([s - 1 for s in seq_lens], device=device),
+            rope_cache(cfg, 256).to(device))  # fmt: skip
+    calls = []
+    real = kernels.rotary_embedding
+    monkeypatch.setattr(kernels, "rotary_embedding", lambda *a, **kw: calls.append(1)
+                        or real(*a, **kw))  # fmt: skip
+    saved = dict(ops._active)
+    ops.use(triton_fused_ops())
+    try:
+        outs, caches = [], []
+        for fused in (True, False):
+            backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
+                                             torch.float32, torch.device(device))  # fmt: skip
+            g = torch.Generator().manual_seed(5)
+            kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, g,
+                                   device)  # fmt: skip
+            q, k, v = qkv(n, heads, kv_heads, head_dim, torch.float32, gen.manual_seed(6),
+                          device)  # fmt: skip
+            meta = AttentionMetadata(
+                num_reqs=n, num_decodes=n, num_tokens=n,
+                query_start_loc=i32(list(range(n + 1)), device), seq_lens=i32(seq_lens, device),
+                block_tables=table, slot_mapping=newest_slots(table, seq_lens, block_size),
+                max_query_len=1, max_seq_len=max(seq_lens),
+            )  # fmt: skip
+            meta = backend.plan(meta, num_splits=4)
+            if fused:
+                outs.append(backend.forward_rotary(rope[0], q, k, v, kv, meta, rope))
+            else:  # the base class's default: the rotary op, then forward
+                outs.append(super(TritonAttentionBackend, backend).forward_rotary(
+                    rope[0], q, k, v, kv, meta, rope))  # fmt: skip
+            caches.append(kv)
+    finally:
+        ops._active.clear()
+        ops._active.update(saved)
+    assert calls == [1]  # the default path's only
+    assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0], caches[1])

@@ -132,7 +132,10 @@ class TritonAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
         scale: float | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`rotary` (decode steps only: forward_rotary): q and k not yet rotated, the kernel
+        rotates them (positions, cos_sin_cache)."""
         from paged.kernels import paged_attention_decode, paged_attention_varlen, reshape_and_cache
 
         plan: TritonPlan = meta.extra
@@ -162,10 +165,12 @@ class TritonAttentionBackend(AttentionBackend):
                 key=k,
                 value=v,
                 slot_mapping=meta.slot_mapping,
+                rotary=rotary,
                 **self.decode_kwargs,
                 **layer,
             )
         else:
+            assert rotary is None, "the varlen kernel takes rotated q and k"
             paged_attention_varlen(
                 q,
                 k_cache,
@@ -181,3 +186,21 @@ class TritonAttentionBackend(AttentionBackend):
                 **layer,
             )
         return out
+
+    def forward_rotary(self, positions, q, k, v, kv_cache, meta, rope, **options):
+        """Decode steps with the Triton op table's rope (positions, cos_sin_cache) over every
+        dim of a power-of-two head: q and k rotated inside the decode kernel (one launch
+        fewer a layer); otherwise the rotary kernel, then forward."""
+        from paged.kernels.head_dims import head_pad
+        from paged.kernels.ops import _rotary_embedding
+        from paged.model import ops
+
+        plan: TritonPlan = meta.extra
+        d = q.shape[-1]
+        if (
+            plan.decode_only
+            and ops.get("rotary_embedding") is _rotary_embedding
+            and rope[1].shape[-1] == d == head_pad(d)
+        ):
+            return self.forward(q, k, v, kv_cache, meta, rotary=rope, **options)
+        return super().forward_rotary(positions, q, k, v, kv_cache, meta, rope, **options)

@@ -41,20 +41,38 @@ _MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
 
 
 @triton.jit
+def _rotated(ptrs, d, mask, cos, sin, HALF: tl.constexpr):
+    """Rows at `ptrs` (+ d, the head dims on the last axis) under the NeoX rotary embedding,
+    as fused._rotate computes it (float32, then the rows' dtype): x1 * cos - x2 * sin in the
+    first half, x2 * cos + x1 * sin in the second; `cos`/`sin` indexed by d % HALF."""
+    first = d < HALF
+    x = tl.load(ptrs + d, mask=mask, other=0.0)
+    partner = tl.load(ptrs + tl.where(first, d + HALF, d - HALF), mask=mask, other=0.0)
+    x32, p32 = x.to(tl.float32), partner.to(tl.float32)
+    out = tl.where(first, x32 * cos - p32 * sin, x32 * cos + p32 * sin)
+    return out.to(x.dtype)
+
+
+@triton.jit
 def _write_newest(
     key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head, k_scale, v_scale,
-    stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_cs, stride_ch,
+    stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_cs, stride_ch, cos, sin,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
-    MIN_ULP: tl.constexpr,
+    MIN_ULP: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
     """Sequence b's newest K/V of `kv_head` to its slot (slot < 0: padding, skipped), as
-    _reshape_and_cache_kernel stores it (fp8: x / scale, saturated and rounded alike)."""
+    _reshape_and_cache_kernel stores it (fp8: x / scale, saturated and rounded alike); under
+    ROTARY, K rotated first (cos/sin of its position)."""
     slot = tl.load(slot_ptr + b64).to(tl.int64)
     if slot >= 0:
         d = tl.arange(0, HEAD_PAD)
         mask = d < HEAD_DIM
-        k = tl.load(key_ptr + b64 * stride_kb + kv_head * stride_kh + d, mask=mask)
+        k_row = key_ptr + b64 * stride_kb + kv_head * stride_kh
+        if ROTARY:
+            k = _rotated(k_row, d, mask, cos, sin, HEAD_DIM // 2)
+        else:
+            k = tl.load(k_row + d, mask=mask)
         v = tl.load(value_ptr + b64 * stride_vb + kv_head * stride_vh + d, mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         dst += kv_head * stride_ch + d
@@ -84,6 +102,9 @@ def _split_kernel(
     key_ptr,
     value_ptr,
     slot_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    stride_rope,
     qk_scale,
     cap_log2e,
     window,
@@ -117,6 +138,7 @@ def _split_kernel(
     QUANT: tl.constexpr,
     F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
     WRITE_KV: tl.constexpr,  # write this step's key/value to the cache first
+    ROTARY: tl.constexpr,  # q and the key un-rotated: rotate them here (with WRITE_KV)
     FP8_MAX: tl.constexpr,
     ROUND: tl.constexpr,
     MANT: tl.constexpr,
@@ -145,23 +167,32 @@ def _split_kernel(
         k_scale = tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
         qk_scale = qk_scale * k_scale
+    d = tl.arange(0, HEAD_PAD)
+    cos = tl.zeros([HEAD_PAD], tl.float32)
+    sin = tl.zeros([HEAD_PAD], tl.float32)
+    if ROTARY:  # cos/sin of the token's position, for q and the newest key
+        rope_row = cos_sin_ptr + tl.load(pos_ptr + b64).to(tl.int64) * stride_rope
+        cos = tl.load(rope_row + d % (HEAD_DIM // 2)).to(tl.float32)
+        sin = tl.load(rope_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2)).to(tl.float32)
     if WRITE_KV:  # the newest token (position seq_len - 1) is in this split: cache it first
         if (start <= seq_len - 1) & (seq_len - 1 < end):
             _write_newest(
                 key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head,
                 k_scale, v_scale, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
-                stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, QUANT, FP8_MAX, ROUND,
-                MANT, MIN_ULP,
+                stride_cs, stride_ch, cos, sin, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, QUANT,
+                FP8_MAX, ROUND, MANT, MIN_ULP, ROTARY,
             )  # fmt: skip
         tl.debug_barrier()  # the program's threads read it below
 
     g = tl.arange(0, BLOCK_H)
     row_ok = g < GROUP
     head = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_PAD)
     io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
-    q_ptrs = q_ptr + b64 * stride_qb + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=io_mask, other=0.0)
+    q_rows = q_ptr + b64 * stride_qb + head[:, None] * stride_qh
+    if ROTARY:
+        q = _rotated(q_rows, d[None, :], io_mask, cos[None, :], sin[None, :], HEAD_DIM // 2)
+    else:
+        q = tl.load(q_rows + d[None, :], mask=io_mask, other=0.0)
     if F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
@@ -271,6 +302,7 @@ def paged_attention_decode(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole cached context (its last
     `window` positions with a window); writes `out`. `softcap`, and `k_scale`/`v_scale` of
@@ -284,6 +316,10 @@ def paged_attention_decode(
     `key`/`value` `[B, kv_heads, head_dim]` with `slot_mapping` `[B]`: this step's K/V,
     written to the cache first as `reshape_and_cache` would (slot < 0 skipped); each is
     sequence b's newest token, position seq_lens[b] - 1.
+
+    `rotary` (positions `[B]`, cos_sin_cache `[max_pos, head_dim]`, as fused.rotary_embedding
+    takes them; every dim rotated, head_dim a power of two): q and `key` are not yet rotated;
+    the kernel rotates them as rotary_embedding would (q is not changed in memory).
     """
     group = check_attention_args(q, k_cache, v_cache)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -316,6 +352,14 @@ def paged_attention_decode(
                    value.stride(1))  # fmt: skip
     else:
         kv_args = (seq_lens, seq_lens, seq_lens, 0, 0, 0, 0)  # unread
+    if rotary is not None:
+        positions, cos_sin = rotary
+        assert write, "the rotary embedding inside needs the step's key to write"
+        assert cos_sin.shape[-1] == head_dim == head_pad(head_dim) and cos_sin.stride(-1) == 1
+        assert positions.shape[0] >= batch
+        rope_args = (positions, cos_sin, cos_sin.stride(0))
+    else:
+        rope_args = (seq_lens, seq_lens, 0)  # unread
     # Tuned on an H200 (bf16, D=128): BLOCK_N 128, 4 warps, 3 stages; K+V tile <= 64 KiB.
     # Platforms with less shared memory (ROCm) pass smaller tiles; these are the defaults.
     pad = head_pad(head_dim)  # tiles are powers of two: other head sizes are masked
@@ -327,14 +371,15 @@ def paged_attention_decode(
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws, counters, seq_lens, block_tables,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
-        *kv_args[:3], sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
+        *kv_args[:3], *rope_args, sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, *kv_args[3:],
         num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad,
         SPLIT=num_splits > 1, **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"],
         SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
-        F16=fp8_as_f16(q, quant) if f16 is None else f16, WRITE_KV=write, **fp8,
+        F16=fp8_as_f16(q, quant) if f16 is None else f16, WRITE_KV=write,
+        ROTARY=rotary is not None, **fp8,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch()
     )  # fmt: skip
     return out
