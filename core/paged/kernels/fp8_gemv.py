@@ -75,6 +75,7 @@ def _fp8_gemv_split_kernel(
     else:
         part = part_ptr + row.to(tl.int64)[None, :] * SPLIT * N + cols64[:, None]
         tl.store(part + pid_s * N, acc, mask=keep)
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
         if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:  # acq_rel: the partials visible
             total = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
             for s in tl.static_range(SPLIT):

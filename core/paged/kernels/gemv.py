@@ -184,6 +184,7 @@ def _gemv_split_k_kernel(
         slot = row * tl.num_programs(0) + pid_n
         if NORM:  # this slice's sum of squares, beside its block's partials
             tl.store(ss_ptr + slot * SPLIT + pid_s, tl.sum(sq, 0))
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
         if tl.atomic_add(count_ptr + slot, 1) == SPLIT - 1:  # acq_rel: the partials visible
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
