@@ -34,13 +34,21 @@ def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False)
     return rotary_embedding(pos, q, k, cache, q.shape[-1], norm=norm, gemma_norm=gemma)
 
 
+def _one_row_gemv(linear, x):
+    """The linear's one-row GEMV (paged_cuda.gemv_select installs it on the module, not as
+    nn.Linear's method) when x is a row it takes; else None."""
+    from paged.kernels.gemv import OneRowGemv
+
+    gemv = vars(linear).get("forward")
+    return gemv if isinstance(gemv, OneRowGemv) and gemv.takes(x) else None
+
+
 def _add_rms_norm_linear(x, residual, weight, eps, linear):
     """One kernel where the linear runs on the one-row GEMV (and the input is one row)."""
     from paged.kernels import fused_add_rms_norm
-    from paged.kernels.gemv import OneRowGemv
 
-    gemv = vars(linear).get("forward")  # installed on the module, not nn.Linear's method
-    if isinstance(gemv, OneRowGemv) and gemv.takes(x) and residual.is_contiguous():
+    gemv = _one_row_gemv(linear, x)
+    if gemv is not None and residual.is_contiguous():
         return gemv(x, norm=(residual, weight, eps))
     x, residual = fused_add_rms_norm(x, residual, weight, eps)
     return linear(x), residual
@@ -50,10 +58,9 @@ def _silu_and_mul_linear(gate_up, linear):
     """One kernel where the down projection runs on the one-row GEMV (and the input is one
     row)."""
     from paged.kernels import silu_and_mul
-    from paged.kernels.gemv import OneRowGemv
 
-    gemv = vars(linear).get("forward")
-    if isinstance(gemv, OneRowGemv) and gemv.takes(gate_up):
+    gemv = _one_row_gemv(linear, gate_up)
+    if gemv is not None:
         return gemv(gate_up, silu_mul=True)
     return linear(silu_and_mul(gate_up))
 

@@ -91,22 +91,24 @@ def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
     return shapes
 
 
-def normed_linears(model: nn.Module) -> set[int]:
-    """ids of the linears whose input is a residual add and RMSNorm that the GEMV takes in
-    (add_rms_norm_linear: a decoder layer's QKV and its dense gate/up projection)."""
+def _layer_linears(model: nn.Module, which: str) -> set[int]:
+    """ids of the linears every decoder layer lists by its method `which`."""
     from paged.model.llama import DecoderLayer
 
     return {id(lin) for layer in model.modules() if isinstance(layer, DecoderLayer)
-            for lin in layer.normed_linears()}  # fmt: skip
+            for lin in getattr(layer, which)()}  # fmt: skip
+
+
+def normed_linears(model: nn.Module) -> set[int]:
+    """ids of the linears whose input is a residual add and RMSNorm that the GEMV takes in
+    (add_rms_norm_linear: a decoder layer's QKV and its dense gate/up projection)."""
+    return _layer_linears(model, "normed_linears")
 
 
 def gated_linears(model: nn.Module) -> set[int]:
     """ids of the linears whose input is SiLU-and-mul of a gate/up output, which the GEMV
     takes in (silu_and_mul_linear: a dense MLP's down projection)."""
-    from paged.model.llama import DecoderLayer
-
-    return {id(lin) for layer in model.modules() if isinstance(layer, DecoderLayer)
-            for lin in layer.gated_linears()}  # fmt: skip
+    return _layer_linears(model, "gated_linears")
 
 
 def use_measured_gemv(model: nn.Module) -> None:
