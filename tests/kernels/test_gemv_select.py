@@ -36,7 +36,7 @@ def test_a_shape_takes_the_fastest_gemv_only_when_it_beats_cublas():
             return 19.9e-6
         return {"o": 5e-6, "gate": 2e-6}[mods[0]] * (1 + config[2] / 100)  # split 1 fastest
 
-    chosen = gemv_select.choose(shapes, time_cublas, time_gemv)
+    chosen = gemv_select.choose(shapes, gemv_select.candidates, time_cublas, time_gemv)
     assert set(chosen) == {(2048, 4096), (128, 2048)}
     assert timed == ["o", "gate", "up"]  # a shape with no candidate is not timed at all
     config, best, base = chosen[(2048, 4096)]

@@ -7,14 +7,14 @@ per-channel fp8 weight shape among the model's linears, the unsplit kernel (its 
 and the same kernel split over K (paged.kernels.fp8_gemv) under a few configurations are
 timed at one row, each in a CUDA graph over every weight of that shape (so they come from
 HBM, as in a decode step); a shape whose best split config beats the unsplit kernel by
-MARGIN runs it for inputs of up to four rows. More rows keep the platform's fp8 linear.
+gemv_select.MARGIN runs it for inputs of up to four rows. More rows keep the platform's fp8
+linear.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 
 import torch
 import triton
@@ -22,11 +22,10 @@ from torch import nn
 
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, fp8_gemv_dot
-from paged_cuda.gemv_select import graph_time
+from paged_cuda.gemv_select import choose, graph_time
 
 log = logging.getLogger("paged")
 
-MARGIN = 0.97  # a split config is taken only when it takes at most this fraction of the time
 SMEM_SLACK = 8192  # shared memory kept back from the pipeline's stages (the reduction's)
 
 
@@ -56,27 +55,6 @@ def candidates(n: int, k: int, sms: int, smem: int) -> list[Config]:
                 stages = stages_for(block_n, block_k, per // block_k, smem)
                 out.append((block_n, block_k, split, 4, stages))
     return out
-
-
-def choose(
-    shapes: dict[tuple[int, int], list],
-    configs: Callable[[int, int], list[Config]],
-    time_unsplit: Callable[[list], float],
-    time_split: Callable[[list, Config], float],
-) -> dict[tuple[int, int], tuple[Config, float, float]]:
-    """{(n, k): (config, split seconds, unsplit seconds)} for the shapes where a split config
-    takes at most MARGIN of the unsplit kernel's time (timers injected: tests run without a
-    GPU; a config that does not compile or run times as infinite)."""
-    chosen = {}
-    for (n, k), mods in shapes.items():
-        tries = configs(n, k)
-        if not tries:  # enough output blocks already (an LM head), nothing to time
-            continue
-        base = time_unsplit(mods)
-        best, config = min((time_split(mods, c), c) for c in tries)
-        if best <= MARGIN * base and math.isfinite(best):
-            chosen[(n, k)] = (config, best, base)
-    return chosen
 
 
 def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:

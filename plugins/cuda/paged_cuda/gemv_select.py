@@ -12,6 +12,7 @@ inputs. Other row counts stay on cuBLAS.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 import torch
@@ -61,20 +62,23 @@ def graph_time(calls: list[Callable[[], object]]) -> float:
 
 
 def choose(
-    shapes: dict[tuple[int, int], list[nn.Linear]],
-    time_cublas: Callable[[list[nn.Linear]], float],
-    time_gemv: Callable[[list[nn.Linear], tuple[int, int, int, int]], float],
-) -> dict[tuple[int, int], tuple[tuple[int, int, int, int], float, float]]:
-    """{(n, k): (config, GEMV seconds, cuBLAS seconds)} for the shapes where a GEMV config
-    takes at most MARGIN of cuBLAS's time (timers injected: tests run without a GPU)."""
+    shapes: dict[tuple[int, int], list],
+    configs: Callable[[int, int], list],
+    time_base: Callable[[list], float],
+    time_config: Callable[[list, tuple], float],
+) -> dict[tuple[int, int], tuple[tuple, float, float]]:
+    """{(n, k): (config, its seconds, the baseline's seconds)} for the shapes where one of
+    `configs(n, k)` takes at most MARGIN of the baseline kernel's time. Timers are injected
+    (tests run without a GPU); a config that does not compile or run times as infinite. Shapes
+    with no candidate config (e.g. an LM head: enough output blocks already) are not timed."""
     chosen = {}
     for (n, k), mods in shapes.items():
-        configs = candidates(n, k)
-        if not configs:  # e.g. an LM head: already enough blocks for cuBLAS, nothing to time
+        tries = configs(n, k)
+        if not tries:
             continue
-        base = time_cublas(mods)
-        best, config = min((time_gemv(mods, c), c) for c in configs)
-        if best <= MARGIN * base:
+        base = time_base(mods)
+        best, config = min((time_config(mods, c), c) for c in tries)
+        if best <= MARGIN * base and math.isfinite(best):
             chosen[(n, k)] = (config, best, base)
     return chosen
 
@@ -152,7 +156,7 @@ def use_measured_gemv(model: nn.Module) -> None:
                                                     folded, silu) for m in mods])  # fmt: skip
 
     with torch.inference_mode():
-        chosen = choose(shapes, time_cublas, time_gemv)
+        chosen = choose(shapes, candidates, time_cublas, time_gemv)
     for (n, k), (config, best, base) in chosen.items():
         for mod in shapes[(n, k)]:
             mod.forward = OneRowGemv(mod, config, counters)
