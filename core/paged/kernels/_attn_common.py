@@ -80,6 +80,20 @@ def _to_fp8(x, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
 
 
 @triton.jit
+def _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT: tl.constexpr,
+              FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
+              MIN_ULP: tl.constexpr):  # fmt: skip
+    """Store K/V tiles at cache offsets `dst`. An fp8 cache (QUANT) stores x / scale (IEEE
+    division, as torch's) saturated to the fp8 range; `ks`/`vs` are the scales in the tiles'
+    shape."""
+    if QUANT:
+        k = _to_fp8(tl.math.div_rn(k.to(tl.float32), ks), FP8_MAX, ROUND, MANT, MIN_ULP)
+        v = _to_fp8(tl.math.div_rn(v.to(tl.float32), vs), FP8_MAX, ROUND, MANT, MIN_ULP)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _dim_mask(rows_ok, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     """`[rows, HEAD_PAD]` mask of real rows and real head dims (all dims when unpadded)."""
     mask = rows_ok[:, None]

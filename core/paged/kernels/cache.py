@@ -12,7 +12,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 
-from ._attn_common import _to_fp8, fp8_args, kv_scale_args
+from ._attn_common import _store_kv, fp8_args, kv_scale_args
 
 
 @triton.jit
@@ -59,14 +59,14 @@ def _reshape_and_cache_kernel(
     k = tl.load(key_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     dst = blk * stride_cb + off * stride_cs + h[:, None] * stride_ch + d[None, :]
-    if QUANT:  # stored = x / scale (IEEE division, as torch's), saturated to the fp8 range
+    ks = 1.0
+    vs = 1.0
+    if QUANT:  # per-head scales
         ks = tl.load(k_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
         vs = tl.load(v_scale_ptr + h, mask=h < num_heads, other=1.0)[:, None]
         ks, vs = tl.broadcast_to(ks, (BLOCK_H, HEAD_PAD)), tl.broadcast_to(vs, (BLOCK_H, HEAD_PAD))
-        k = _to_fp8(tl.math.div_rn(k.to(tl.float32), ks), FP8_MAX, ROUND, MANT, MIN_ULP)
-        v = _to_fp8(tl.math.div_rn(v.to(tl.float32), vs), FP8_MAX, ROUND, MANT, MIN_ULP)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT, FP8_MAX, ROUND, MANT,
+              MIN_ULP)  # fmt: skip
 
 
 def reshape_and_cache(

@@ -25,7 +25,7 @@ from ._attn_common import (
     _dim_mask,
     _load_kv_tile,
     _softmax_step,
-    _to_fp8,
+    _store_kv,
     check_attention_args,
     dot_flags,
     fp8_args,
@@ -61,9 +61,9 @@ def _write_newest(
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
     MIN_ULP: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
-    """Sequence b's newest K/V of `kv_head` to its slot (slot < 0: padding, skipped), as
-    _reshape_and_cache_kernel stores it (fp8: x / scale, saturated and rounded alike); under
-    ROTARY, K rotated first (cos/sin of its position)."""
+    """Sequence b's newest K/V of `kv_head` to its slot (slot < 0: padding, skipped), stored
+    as _reshape_and_cache_kernel stores it (_store_kv); under ROTARY, K rotated first (cos/sin
+    of its position)."""
     slot = tl.load(slot_ptr + b64).to(tl.int64)
     if slot >= 0:
         d = tl.arange(0, HEAD_PAD)
@@ -76,13 +76,12 @@ def _write_newest(
         v = tl.load(value_ptr + b64 * stride_vb + kv_head * stride_vh + d, mask=mask)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         dst += kv_head * stride_ch + d
-        if QUANT:
+        ks, vs = k_scale, v_scale
+        if QUANT:  # (div_rn takes operands of one shape)
             ks = tl.broadcast_to(k_scale, (HEAD_PAD,))
             vs = tl.broadcast_to(v_scale, (HEAD_PAD,))
-            k = _to_fp8(tl.math.div_rn(k.to(tl.float32), ks), FP8_MAX, ROUND, MANT, MIN_ULP)
-            v = _to_fp8(tl.math.div_rn(v.to(tl.float32), vs), FP8_MAX, ROUND, MANT, MIN_ULP)
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT, FP8_MAX, ROUND,
+                  MANT, MIN_ULP)  # fmt: skip
 
 
 # Arguments that vary from step to step are not specialised on (Triton compiles a variant for
