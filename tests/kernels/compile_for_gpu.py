@@ -93,12 +93,17 @@ def attention() -> None:
         q = t(seqs, heads, head_dim)
         new = t(seqs, 3 * kv_heads, head_dim)[:, :kv_heads]  # a strided view, as k/v are
         fused = {"key": new, "value": new, "slot_mapping": t(seqs, dtype=torch.int64)}
-        for splits, write in ((1, False), (4, False), (1, True), (4, True)):
+        rope = (t(seqs, dtype=torch.int64), t(256, head_dim, dtype=torch.float32))
+        for splits, write, rot in ((1, False, False), (4, False, False), (1, True, False),
+                                   (4, True, False), (1, True, True), (4, True, True)):  # fmt: skip
+            if rot and head_dim & (head_dim - 1):  # the rotary inside: powers of two only
+                continue
             ws = decode_workspace(seqs, heads, head_dim, 4, META) if splits > 1 else None
             counters = t(seqs * kv_heads, dtype=torch.int32) if splits > 1 else None
             paged_attention_decode(q, cache[0], cache[1], torch.empty_like(q), seq_lens, table,
                                    0.1, 64, splits, ws, counters=counters, **layer, **scales,
-                                   **(fused if write else {}))  # fmt: skip
+                                   **(fused if write else {}),
+                                   **({"rotary": rope} if rot else {}))  # fmt: skip
         q = t(20, heads, head_dim)
         paged_attention_varlen(q, cache[0], cache[1], torch.empty_like(q),
                                t(seqs + 1, dtype=torch.int32), seq_lens, table, 0.1, 12, 64,

@@ -192,15 +192,14 @@ class TritonAttentionBackend(AttentionBackend):
         dim of a power-of-two head: q and k rotated inside the decode kernel (one launch
         fewer a layer); otherwise the rotary kernel, then forward."""
         from paged.kernels.head_dims import head_pad
-        from paged.kernels.ops import _rotary_embedding
-        from paged.model import ops
+        from paged.kernels.ops import RopeTable
 
         plan: TritonPlan = meta.extra
         d = q.shape[-1]
         if (
             plan.decode_only
-            and ops.get("rotary_embedding") is _rotary_embedding
-            and rope[1].shape[-1] == d == head_pad(d)
+            and isinstance(rope, RopeTable)
+            and rope.cos_sin_cache.shape[-1] == d == head_pad(d)
         ):
             return self.forward(q, k, v, kv_cache, meta, rotary=rope, **options)
         return super().forward_rotary(positions, q, k, v, kv_cache, meta, rope, **options)

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.util import find_spec
+from typing import NamedTuple
 
 import torch
 
 
+class RopeTable(NamedTuple):
+    """What this table's rotary_prepare returns: the kernels gather cos/sin per token
+    themselves (the decode attention kernel too, which rotates q and k inside)."""
+
+    positions: torch.Tensor  # [T]
+    cos_sin_cache: torch.Tensor  # [max_pos, rot_dim]: cos halves, then sin halves (float32)
+
+
 def _rotary_prepare(positions: torch.Tensor, cos_sin_cache: torch.Tensor, dtype: torch.dtype):
-    return positions, cos_sin_cache  # the kernel gathers cos/sin per token itself
+    return RopeTable(positions, cos_sin_cache)
 
 
 def _rotary_embedding(positions, q: torch.Tensor, k: torch.Tensor, rope):
