@@ -73,6 +73,7 @@ def torch_paged(q: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, ctx: int
 
 def bench_attention(gen: torch.Generator) -> None:
     from paged.kernels import decode_workspace, paged_attention_decode, paged_attention_varlen
+    from paged.kernels.decode import decode_counters
 
     scale = D**-0.5
     for batch in (1, 32, 256):
@@ -80,11 +81,13 @@ def bench_attention(gen: torch.Generator) -> None:
             kv, table, seq = paged_setup(gen, batch, ctx)
             q, shape = rnd(gen, batch, H, D), f"B={batch} ctx={ctx}"
             out, ws = torch.empty_like(q), decode_workspace(batch, H, D, device="cuda")
+            tickets = decode_counters(batch, HKV, "cuda")  # as the backend keeps them
             ref_fn = partial(torch_paged, q, kv, table, ctx, 1)
             ref, nbytes = ref_fn(), 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2
             for splits in (None, 1):
                 fn = partial(paged_attention_decode, q, kv[0], kv[1], out, seq, table, scale,
-                             ctx, num_splits=splits, workspace=ws)  # fmt: skip
+                             ctx, num_splits=splits, workspace=ws,
+                             counters=tickets)  # fmt: skip
                 fn()
                 name = "decode split=" + ("auto" if splits is None else str(splits))
                 row(name, shape, fn, ref_fn, nbytes, rel(out, ref))

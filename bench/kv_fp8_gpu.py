@@ -57,7 +57,7 @@ def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, i
         paged_attention_varlen,
         reshape_and_cache,
     )
-    from paged.kernels.decode import MAX_SPLITS, choose_num_splits
+    from paged.kernels.decode import MAX_SPLITS, choose_num_splits, decode_counters
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     ones = torch.ones(HKV, device="cuda")
@@ -85,13 +85,14 @@ def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, i
         q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
         splits = choose_num_splits(batch, HKV, ctx)
         ws = decode_workspace(batch, H, D, MAX_SPLITS, "cuda")
+        tickets = {"counters": decode_counters(batch, HKV, "cuda")}  # as the backend keeps them
         times, nbytes, outs = {}, {}, {}
         base = cache(gen, batch * per_seq, torch.bfloat16)
         for dt in (torch.bfloat16, FP8):
             kv = base if dt == torch.bfloat16 else base.to(dt)
             out = torch.empty_like(q)
             run = partial(paged_attention_decode, q, kv[0], kv[1], out, seq, table, D**-0.5,
-                          ctx, splits, ws, **scales[dt])  # fmt: skip
+                          ctx, splits, ws, **tickets, **scales[dt])  # fmt: skip
             run()
             outs[dt] = out.float()
             times[dt] = do_bench_cudagraph(run, return_mode="median")
@@ -101,7 +102,7 @@ def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, i
         # the fp8 cache converted to bf16 instead of fp16 (the default before 85335bc)
         kv8 = base.to(FP8)
         run = partial(paged_attention_decode, q, kv8[0], kv8[1], torch.empty_like(q), seq, table,
-                      D**-0.5, ctx, splits, ws, f16=False, **scales[FP8])  # fmt: skip
+                      D**-0.5, ctx, splits, ws, f16=False, **tickets, **scales[FP8])  # fmt: skip
         ms = do_bench_cudagraph(run, return_mode="median")
         rows.append({"kernel": "decode-fp8-as-bf16", "shape": f"B={batch} ctx={ctx}",
                      "fp8_us": ms * 1e3})  # fmt: skip
@@ -111,7 +112,7 @@ def kernel_bench(contexts: list[int], tokens: int, tiles: list[tuple[int, int, i
             kv8 = base.to(FP8)
             run = partial(paged_attention_decode, q, kv8[0], kv8[1], torch.empty_like(q), seq,
                           table, D**-0.5, ctx, splits, ws, block_n=bn, num_warps=warps,
-                          num_stages=stages, **scales[FP8])  # fmt: skip
+                          num_stages=stages, **tickets, **scales[FP8])  # fmt: skip
             ms = do_bench_cudagraph(run, return_mode="median")
             rows.append({"kernel": "decode-fp8-tiles", "shape": f"B={batch} ctx={ctx}",
                          "block_n": bn, "num_warps": warps, "num_stages": stages,
