@@ -107,6 +107,14 @@ class FakeGraphRunner(GraphStepRunner):
             FakeGraph.recording.ops.append(again)
         return out, tail
 
+    def _sampler_body(self, n, sort):
+        """The sampler graph's draw, recorded too (a replay draws again)."""
+        ids = super()._sampler_body(n, sort)
+        if FakeGraph.recording is not None:
+            FakeGraph.recording.ops.append(lambda: ids.copy_(super(FakeGraphRunner, self)
+                                                             ._sampler_body(n, sort)))  # fmt: skip
+        return ids
+
 
 def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6,
                 spec_tokens=None, enable_lora=False, graph_safe_varlen=True):  # fmt: skip
@@ -116,7 +124,8 @@ def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_n
         speculative_config=spec, enable_lora=enable_lora,
     )  # fmt: skip
     syncs: list[int] = []
-    platform = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: syncs.append(1))
+    platform = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: syncs.append(1),
+                               pin_memory=False)
     runner = cls(FakeModel(), config, platform, FakeBackend(graph_plan, graph_safe_varlen))
     return runner, syncs
 
@@ -255,6 +264,37 @@ def test_tails_dropped_with_failed_capture():
     runner.capture()
     assert runner.graphs == {} and runner.tails == {}
     assert runner.decode_logits(torch.arange(2), torch.arange(2), decode_meta(2)) is None
+
+
+def test_sampler_graphs_per_tail_size_and_a_failed_one_keeps_the_decode_graphs():
+    class SmallTails(FakeGraphRunner):
+        max_tail_capture_size = 2
+
+    def draw(logits, greedy, params, sort):  # what each row's "temperature" and sort give
+        return greedy + 2 * (params[0] > 0) + 10 * sort
+
+    runner, _ = make_runner(SmallTails)
+    runner.tail, runner.sampler = echo_tail, draw
+    runner.capture()
+    assert sorted(runner.sample_graphs) == [(1, False), (1, True), (2, False), (2, True)]
+    ids, pos = torch.tensor([7, 30]), torch.tensor([31, 2])
+    runner.decode_logits(ids[:1], pos[:1], decode_meta(1))
+    assert runner.decode_sample(1, [(0.5, 4, 1.0, 0.0)], False).tolist() == [3]
+    runner.decode_logits(ids, pos, decode_meta(2))
+    assert runner.decode_sample(2, [(0.0, 4, 1.0, 0.0), (0.7, 4, 0.9, 0.0)], True).tolist() \
+        == [11, 12]  # fmt: skip
+    assert runner.sample_graphs[(2, True)][0].replays == 1
+    assert runner.decode_sample(3, [(0.5, 4, 1.0, 0.0)] * 3, False) is None  # no tail graph
+
+    def broken(*args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner, _ = make_runner(SmallTails)
+    runner.tail, runner.sampler = echo_tail, broken
+    runner.capture()
+    assert sorted(runner.tails) == [1, 2] and runner.sample_graphs == {}
+    assert runner.decode_sample(1, [(0.5, 4, 1.0, 0.0)], False) is None
+    assert runner.decode_logits(ids, pos, decode_meta(2))[1].tolist() == [1, 0]
 
 
 def test_eager_runner_has_no_tail():

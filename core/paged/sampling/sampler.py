@@ -177,16 +177,59 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy_ids
-    temp = sb.temperature
+    return _draw(logits, greedy_ids, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.generators)
+
+
+def plain_rows(reqs: list[RequestView], vocab_size: int) -> list[tuple] | None:
+    """Each row's (temperature, top_k, top_p, min_p), a greedy row at temperature 0, when
+    nothing else shapes the step's draw: no seed, penalty, logit bias or min_tokens still to
+    reach (a bitmask is the caller's to rule out); else None. What `sample_rows` takes."""
+    rows = []
+    for r in reqs:
+        p = r.params
+        if p.needs_penalties or p.logit_bias or r.num_output_tokens < p.min_tokens:
+            return None
+        if p.greedy:
+            rows.append((0.0, vocab_size, 1.0, 0.0))
+        elif p.seed is not None:  # its own generator
+            return None
+        else:
+            rows.append((p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p))
+    return rows
+
+
+def sample_rows(
+    logits: torch.Tensor, greedy_ids: torch.Tensor, params: torch.Tensor, sort: bool
+) -> torch.Tensor:
+    """`sample`'s draw for rows `plain_rows` describes, with no decision on the host (a
+    captured graph replays it): params [4, N] float32 holds their temperature, top_k, top_p
+    and min_p; `greedy_ids` is logits.argmax(-1). `sort`: some row uses top-k or top-p.
+    Where `sample` skips a filter no row uses, this applies it as a no-op (top-k at the
+    vocabulary size, top-p at 1, min-p at 0): the same tokens from the same random state."""
+    top_k, top_p = (params[1].long(), params[2]) if sort else (None, None)
+    return _draw(logits, greedy_ids, params[0], top_k, top_p, params[3], {})
+
+
+def _draw(
+    logits: torch.Tensor,
+    greedy_ids: torch.Tensor,
+    temp: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """The random draw (rows at temperature 0 keep greedy_ids): the exponential race over the
+    filtered distribution, seeded rows from their generators."""
     scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
-    if sb.top_k is not None or sb.top_p is not None:
-        scaled = _top_k_top_p(scaled, sb.top_k, sb.top_p)
+    if top_k is not None or top_p is not None:
+        scaled = _top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
-    if sb.min_p is not None:
+    if min_p is not None:
         top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < sb.min_p[:, None] * top, 0.0)
+        probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
     noise = torch.empty_like(probs).exponential_()
-    for row, gen in sb.generators.items():
+    for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temp > 0, sampled, greedy_ids)
@@ -202,9 +245,10 @@ def _top_k_top_p(
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p.
+        # Drop a token when the mass strictly before it already reaches top_p (< 1: a sum
+        # rounded up to 1 drops nothing).
         before = probs.cumsum(dim=-1) - probs
-        drop = before >= top_p[:, None]
+        drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)

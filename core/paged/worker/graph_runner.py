@@ -17,7 +17,12 @@ the API may be missing); synchronization goes through `Platform.synchronize`.
 Decode graphs up to `max_tail_capture_size` also run the step's tail when the model runner
 sets `tail` (the LM head and the greedy argmax: `decode_logits` replays them), so a small
 batch's step is one graph from input ids to greedy tokens. Larger batches leave the head out:
-their launches cost little beside the step, and the static logits would hold memory.
+their launches cost little beside the step, and the static logits would hold memory. Where
+the model runner also sets `sampler`, each of those sizes gets two small graphs more that
+draw from the tail's logits (`decode_sample`: requests that sample with temperature, top-k /
+top-p and min-p alone; one graph with the top-k/top-p sort, one without), so a sampled step
+too needs no eager kernel between its input ids and its tokens. Their random numbers come
+from the device's default generator, which the graph API advances at every replay.
 
 A model with several KV-cache groups (model/kv_groups.py) gets static block tables and slot
 mappings per group (`group_tables`, `group_slots`; the first group's are `tables`, `slots`).
@@ -63,6 +68,8 @@ class GraphStepRunner(StepRunner):
         self.graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.sizes: list[int] = []
         self.tails: dict[int, Tail] = {}  # decode size -> the tail's outputs in its graph
+        # (decode size, sort) -> (graph, its token ids): `sampler` over that size's tail
+        self.sample_graphs: dict[tuple[int, bool], tuple[Any, torch.Tensor]] = {}
         self.spec_graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.spec_sizes: list[int] = []
         self.spec_q = self.spec_width()
@@ -183,6 +190,11 @@ class GraphStepRunner(StepRunner):
         out = self.model(input_ids, positions, meta)
         return out, (self.tail(out) if with_tail else None)
 
+    def _sampler_body(self, n: int, sort: bool) -> torch.Tensor:
+        """What a sampler graph records: the draw over decode size n's tail."""
+        logits, greedy = self.tails[n]
+        return self.sampler(logits, greedy, self.sample_params[:, :n], sort)
+
     def capture(self) -> None:
         if self.config.enforce_eager or not self.graphs_available():
             return
@@ -223,11 +235,21 @@ class GraphStepRunner(StepRunner):
             self.spec_graphs.clear()
             self.tails.clear()
             return
+        try:
+            self._capture_samplers(pool)
+        except RuntimeError as e:  # the decode graphs stay; the draw runs eagerly
+            if not self.eager_fallback:
+                raise
+            log.warning("%s sampler graph capture failed, sampling eagerly: %s",
+                        self.graph_name, e)  # fmt: skip
+            self.sample_graphs.clear()
         self.synchronize()
         self.sizes, self.spec_sizes = sizes, spec_sizes
         spec = f", verification batch 1..{spec_sizes[-1]} x {q} rows" if spec_sizes else ""
         if self.tails:
             spec += f", LM head and greedy tokens inside up to batch {max(self.tails)}"
+        if self.sample_graphs:
+            spec += " (sampled tokens in graphs of their own)"
         log.info(
             "captured %d %s graphs (decode batch 1..%d%s) in %.1f s",
             len(self.graphs) + len(self.spec_graphs),
@@ -236,6 +258,43 @@ class GraphStepRunner(StepRunner):
             spec,
             time.perf_counter() - t0,
         )
+
+    def _capture_samplers(self, pool: Any) -> None:
+        """Two sampler graphs (with and without the sort) per decode size whose graph runs
+        the tail; every row's parameters in `sample_params` [4, max size]."""
+        if self.sampler is None or not self.tails or self.tails[min(self.tails)][0] is None:
+            return
+        self.sample_params = torch.zeros(4, max(self.tails), dtype=torch.float32,
+                                         device=self.platform.device)  # fmt: skip
+        self.sample_params[1:3] = 1.0  # (top_k 1, top_p 1: a greedy row's values suffice)
+        with torch.inference_mode():
+            for n in sorted(self.tails):
+                for sort in (False, True):
+                    for _ in range(2):  # warm-up, outside the capture
+                        self._sampler_body(n, sort)
+                    self.synchronize()
+                    graph = self.new_graph()
+                    with self.graph_capture(graph, pool):
+                        ids = self._sampler_body(n, sort)
+                    self.sample_graphs[(n, sort)] = (graph, ids)
+
+    @torch.inference_mode()
+    def decode_sample(self, n: int, params: list[tuple], sort: bool) -> torch.Tensor | None:
+        """Token ids of the decode step of n requests whose tail decode_logits just ran, drawn
+        in its sampler graph from each row's (temperature, top_k, top_p, min_p); None
+        where there is no such graph."""
+        if not self.sample_graphs or n > max(self.tails):
+            return None
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        graph, ids = self.sample_graphs[(size, sort)]
+        host = torch.tensor(params, dtype=torch.float32).T.contiguous()  # [4, n]
+        if self.platform.pin_memory:  # queued behind the forward, not waiting for it
+            host = host.pin_memory()
+        self.sample_params[:, :n].copy_(host, non_blocking=True)
+        if size > n:  # padding rows: greedy
+            self.sample_params[0, n:size].zero_()
+        graph.replay()
+        return ids[:n]
 
     @torch.inference_mode()
     def forward(

@@ -26,7 +26,13 @@ from paged.model.registry import model_class
 from paged.platform import Platform
 from paged.quantization import building, init_dummy, quant_method, quantized_weights
 from paged.sampling.params import SamplingParams
-from paged.sampling.sampler import bitmask_rows, build_sampling_batch, sample
+from paged.sampling.sampler import (
+    bitmask_rows,
+    build_sampling_batch,
+    plain_rows,
+    sample,
+    sample_rows,
+)
 from paged.scheduled import ScheduledBatch
 from paged.worker.input_buffers import InputBuffers
 from paged.worker.pipeline import pipeline_forward
@@ -104,8 +110,9 @@ class ModelRunner:
         )
         self.step_runner = platform.step_runner()(self.model, config, platform, self.backend)
         self.step_runner.num_kv_groups = len(self.kv_groups)
-        if self._tail_in_graph():  # small decode graphs run the head and the argmax too
-            self.step_runner.tail = self._logits_and_greedy
+        if self._tail_in_graph():  # small decode graphs run the head and the argmax too,
+            self.step_runner.tail = self._logits_and_greedy  # and graphs of their own the draw
+            self.step_runner.sampler = sample_rows
         # Overlap: launch step N+1 before step N's tokens reach the host (see EngineCore.step).
         self.overlap = bool(
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
@@ -367,10 +374,14 @@ class ModelRunner:
         already taken (in the decode graph), the tokens when nothing else applies."""
         reqs, want = handle.reqs, handle.want
         k = max((w or 0 for w in want), default=0)
-        sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
-        if mask is not None:
-            sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
-        tokens = greedy if greedy is not None and sb.argmax_only else sample(logits, sb)
+        tokens = None
+        if greedy is not None and mask is None:  # the decode graph ran the tail
+            tokens = self._sample_in_graph(reqs, greedy)
+        if tokens is None:
+            sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
+            if mask is not None:
+                sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
+            tokens = greedy if greedy is not None and sb.argmax_only else sample(logits, sb)
         extra: list[torch.Tensor] = []
         if any(w is not None for w in want):  # from the raw (unpenalised) logits
             logprobs = logits.log_softmax(-1)
@@ -381,6 +392,18 @@ class ModelRunner:
         handle.tokens = tokens
         copies = self._host_copies(handle, [tokens, *extra, *(prompt[1] if prompt else [])])
         handle.host, handle.prompt_host = copies[: 1 + len(extra)], copies[1 + len(extra) :]
+
+    def _sample_in_graph(self, reqs: list, greedy: torch.Tensor) -> torch.Tensor | None:
+        """The tokens of a decode step whose graph ran the tail, where nothing but temperature,
+        top-k/top-p and min-p shapes the draw: the graph's argmax, or its sampler graph's
+        draw; None otherwise (sample eagerly)."""
+        rows = plain_rows(reqs, self.vocab_size)
+        if rows is None:
+            return None
+        if all(t == 0.0 for t, *_ in rows):
+            return greedy
+        sort = any(k < self.vocab_size or p < 1.0 for t, k, p, _ in rows if t > 0)
+        return self.step_runner.decode_sample(len(rows), rows, sort)
 
     def _host_copies(self, handle: StepHandle, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors as result() reads them: host copies that an event marks done where the

@@ -44,6 +44,9 @@ class StepRunner:
     # The step's tail (the LM head and the greedy argmax), set by the model runner where a
     # graph may run it (one pipeline stage, no LoRA, speculation or aux outputs).
     tail: Callable[[torch.Tensor], Tail] | None = None
+    # Set with it: the draw of requests that sample with temperature, top-k/top-p and min-p
+    # alone (sampling.sampler.sample_rows: logits, greedy ids, params [4, N], sort -> ids).
+    sampler: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor] | None = None
 
     def __init__(
         self, model: torch.nn.Module, config: EngineConfig, platform: Platform, backend
@@ -66,6 +69,12 @@ class StepRunner:
     ) -> Tail | None:
         """(logits, greedy ids) of a decode step run with its tail in one graph; None here
         (eager: the caller runs forward, then the head)."""
+        return None
+
+    def decode_sample(self, n: int, params: list[tuple], sort: bool) -> torch.Tensor | None:
+        """Token ids of the decode step whose tail decode_logits just ran, drawn by `sampler`
+        in a captured graph from `params` (each row's, sampling.sampler.plain_rows); None
+        here (the caller samples eagerly)."""
         return None
 
     @torch.inference_mode()

@@ -153,6 +153,7 @@ class Worker:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
             self.draft.step_runner.capture()
+        torch.manual_seed(self.config.seed)  # --seed again: capturing samplers drew numbers
 
     def shutdown(self) -> None:
         """The driver: tell the other ranks to stop (the executor then ends the group)."""
