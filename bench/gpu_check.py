@@ -138,6 +138,7 @@ def main() -> None:
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    sampled_check(report, tmp, prompts[:4], n)
     import copy
 
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
@@ -189,6 +190,38 @@ def main() -> None:
     print(json.dumps(report, indent=1), flush=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+
+
+def sampled_check(report: dict, path: str, prompts: list[list[int]], n: int) -> None:
+    """Sampled decodes in float32: the sampler graphs against the eager sampler from the same
+    seed (the same random numbers in the same order: identical tokens expected). Four
+    requests with top-p, min-p, top-k and greedy (the sorting graph), then one with a
+    temperature alone (the plain graph)."""
+    from paged import LLM, SamplingParams
+
+    common = dict(max_tokens=n, ignore_eos=True)
+    mix = [SamplingParams(temperature=0.8, top_p=0.9, **common),
+           SamplingParams(temperature=1.0, min_p=0.05, **common),
+           SamplingParams(temperature=0.7, top_k=40, **common),
+           SamplingParams(temperature=0, **common)]  # fmt: skip
+    plain = SamplingParams(temperature=0.9, **common)
+    toks: dict[bool, list] = {}
+    for eager in (False, True):
+        llm = LLM(path, dtype="float32", max_model_len=2048, gpu_memory_utilization=0.5,
+                  max_num_seqs=64, enforce_eager=eager, seed=7)  # fmt: skip
+        if not eager:
+            report["sampler_graphs"] = len(llm.engine.runner.step_runner.sample_graphs)
+        torch.manual_seed(7)
+        outs = llm.generate(prompts[: len(mix)], mix, use_tqdm=False)
+        outs += llm.generate(prompts[:1], plain, use_tqdm=False)
+        toks[eager] = [o.outputs[0].token_ids for o in outs]
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(toks[False], toks[True]))
+    report["sampled_graphs_vs_eager_identical"] = f"{same}/{len(toks[True])}"
+    print("sampled: graphs vs eager", report["sampled_graphs_vs_eager_identical"],
+          "sampler graphs", report.get("sampler_graphs"), flush=True)  # fmt: skip
 
 
 def long_prompts(args, report: dict, hf, path: str, vocab: int) -> None:
