@@ -39,7 +39,10 @@ from paged.worker.pipeline import pipeline_forward
 from paged.worker.pooler import Pooler
 
 log = logging.getLogger("paged")
-STEP, STOP = 1, 2  # the first int of a step header the driver sends the other ranks
+# The first int of a step header the driver sends the other ranks: a step (whose decode graph
+# may run the tail: the logits' gather is inside it on every rank), the end, or a step whose
+# every row's hidden state is wanted (embeddings, a speculative tap: forward, then the head).
+STEP, STOP, STEP_EVERY_ROW = 1, 2, 3
 
 
 class ModelRunner:
@@ -127,13 +130,14 @@ class ModelRunner:
         torch.manual_seed(config.seed)
 
     def _tail_in_graph(self) -> bool:
-        """Whether a decode step's head and greedy argmax may run inside its graph: one rank
-        (the head's gather across tensor-parallel ranks is not captured), no LoRA (adapters
-        on the head), no speculative decoding (verification and proposers read the hidden
-        states), no aux layers in the output, not an embedding model (no head)."""
+        """Whether a decode step's head and greedy argmax may run inside its graph: one
+        pipeline stage (with tensor-parallel ranks the logits' gather is captured too, and
+        every rank replays the graph: follow), no LoRA (adapters on the head), no
+        speculative decoding (verification and proposers read the hidden states), no aux
+        layers in the output, not an embedding model (no head)."""
         c, p = self.config, parallel()
         return (
-            p.world_size == 1
+            p.pp_size == 1
             and not c.enable_lora
             and c.speculative_config is None
             and not getattr(self.model, "aux_layers", ())
@@ -290,8 +294,10 @@ class ModelRunner:
             prev.finish()
         prev_rows = prev.rows if prev is not None else None
         header = self.inputs.pack_host(batch, prev_rows)
+        every_row = Pooler.wanted(batch) or self.hidden_tap is not None
         if parallel().world_size > 1:  # the other ranks run the same step (worker.follow_steps)
-            broadcast_host(torch.tensor([STEP, *header], dtype=torch.int64))
+            kind = STEP_EVERY_ROW if every_row else STEP
+            broadcast_host(torch.tensor([kind, *header], dtype=torch.int64))
             for view in self.inputs.views(header):
                 broadcast_host(view)
         input_ids, positions, meta, logits_idx, fill = self.inputs.load(header)
@@ -305,7 +311,7 @@ class ModelRunner:
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
         tail = None  # (logits, greedy ids) where the decode graph ran the head too
-        if Pooler.wanted(batch) or self.hidden_tap is not None:  # every row's hidden state
+        if every_row:  # every row's hidden state
             every = self.step_runner.forward(input_ids, positions, meta)  # (one pipeline stage)
             every, aux = self._split_aux(every)
             if Pooler.wanted(batch):  # embeddings
@@ -429,9 +435,11 @@ class ModelRunner:
             raise error
 
     @torch.inference_mode()
-    def follow(self, header: list[int]) -> None:
+    def follow(self, header: list[int], every_row: bool = False) -> None:
         """A rank other than the driver: run the step whose inputs just arrived in the current
-        host buffers (its part of the forward, and of the logits' gather)."""
+        host buffers (its part of the forward, and of the logits' gather), down the driver's
+        path: the decode graph with the tail where the driver replays it (`every_row`: the
+        driver wants every row's hidden state, so forward, then the head)."""
         input_ids, positions, meta, logits_idx, _ = self.inputs.load(header)
         if self.lora is not None:  # the driver's adapters for this step, in the same slots
             loras, forgotten = broadcast_object_host()
@@ -444,6 +452,8 @@ class ModelRunner:
                 return
         if self.inputs.block_copies is not None:
             self.step_runner.copy_blocks(self.inputs.block_copies)
+        if not every_row and self._decode_tail(input_ids, positions, meta, logits_idx) is not None:
+            return
         hidden = self.forward(input_ids, positions, meta, logits_idx)
         if hidden is not None:
             self.model.compute_logits(hidden)

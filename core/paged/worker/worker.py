@@ -27,7 +27,7 @@ from paged.distributed import (
 from paged.model.registry import check_supported
 from paged.plugins import select_platform
 from paged.worker.input_buffers import HEADER
-from paged.worker.model_runner import STOP, ModelRunner
+from paged.worker.model_runner import STEP_EVERY_ROW, STOP, ModelRunner
 
 log = logging.getLogger("paged")
 
@@ -173,4 +173,4 @@ def follow_steps(worker: Worker) -> None:
         runner.inputs.take_set()
         for view in runner.inputs.views(h):
             broadcast_host(view)
-        runner.follow(h)
+        runner.follow(h, every_row=kind == STEP_EVERY_ROW)
