@@ -25,28 +25,6 @@ SHAPES: dict[str, dict] = {
         bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009],
     ),
-    "llama-3.1-70b": dict(  # the 8B's vocabulary, rope and token ids
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        bos_token_id=128000,
-        eos_token_id=[128001, 128008, 128009],
-    ),
     "llama-3.2-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -174,6 +152,9 @@ SHAPES: dict[str, dict] = {
         eos_token_id=2,
     ),
 }
+# Llama-3.1-70B: the 8B's vocabulary, rope and token ids, wider and deeper
+SHAPES["llama-3.1-70b"] = dict(SHAPES["llama-3.1-8b"], hidden_size=8192, intermediate_size=28672,
+                               num_hidden_layers=80, num_attention_heads=64)  # fmt: skip
 
 
 _CONFIGS = {
