@@ -251,14 +251,15 @@ def test_backend_rotates_inside_decode_steps(device, monkeypatch):
     seq_lens = [150, 33, 17]
     n = len(seq_lens)
     cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads)
-    rope = (torch.tensor([s - 1 for s in seq_lens], device=device),
-            rope_cache(cfg, 256).to(device))  # fmt: skip
+    table_ops = triton_fused_ops()
+    rope = table_ops["rotary_prepare"](torch.tensor([s - 1 for s in seq_lens], device=device),
+                                       rope_cache(cfg, 256).to(device), torch.float32)  # fmt: skip
     calls = []
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding", lambda *a, **kw: calls.append(1)
                         or real(*a, **kw))  # fmt: skip
     saved = dict(ops._active)
-    ops.use(triton_fused_ops())
+    ops.use(table_ops)
     try:
         outs, caches = [], []
         for fused in (True, False):

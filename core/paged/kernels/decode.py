@@ -43,13 +43,13 @@ _MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
 @triton.jit
 def _rotated(ptrs, d, mask, cos, sin, HALF: tl.constexpr):
     """Rows at `ptrs` (+ d, the head dims on the last axis) under the NeoX rotary embedding,
-    as fused._rotate computes it (float32, then the rows' dtype): x1 * cos - x2 * sin in the
-    first half, x2 * cos + x1 * sin in the second; `cos`/`sin` indexed by d % HALF."""
+    as fused._rotate computes it (float32, then the rows' dtype): fma(x1, cos, -x2 * sin) in
+    the first half, fma(x2, cos, x1 * sin) in the second; `cos`/`sin` indexed by d % HALF."""
     first = d < HALF
     x = tl.load(ptrs + d, mask=mask, other=0.0)
     partner = tl.load(ptrs + tl.where(first, d + HALF, d - HALF), mask=mask, other=0.0)
     x32, p32 = x.to(tl.float32), partner.to(tl.float32)
-    out = tl.where(first, x32 * cos - p32 * sin, x32 * cos + p32 * sin)
+    out = tl.fma(x32, cos, tl.where(first, -(p32 * sin), p32 * sin))  # as fused._rotate
     return out.to(x.dtype)
 
 

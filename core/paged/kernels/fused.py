@@ -114,8 +114,10 @@ def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, w_ptr, eps, BLOCK_H: 
             x2 = (f2 * rstd * (1.0 + w2)).to(x2.dtype)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    o1 = x1 * cos[None, :] - x2 * sin[None, :]
-    o2 = x2 * cos[None, :] + x1 * sin[None, :]
+    # Explicit FMAs: the rounding cannot vary with the compiler's contraction, so the decode
+    # kernel's rotation (decode._rotated) gives the same bits.
+    o1 = tl.fma(x1, cos[None, :], -(x2 * sin[None, :]))
+    o2 = tl.fma(x2, cos[None, :], x1 * sin[None, :])
     tl.store(p1, o1.to(ptr.dtype.element_ty), mask=mask)
     tl.store(p1 + HALF, o2.to(ptr.dtype.element_ty), mask=mask)
 

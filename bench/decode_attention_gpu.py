@@ -1,0 +1,117 @@
+"""A decode step's attention work per layer, as the engine launches it, in a CUDA graph over
+32 layers' caches (Llama-3.1-8B: 32 query heads, 8 KV heads, head 128, bf16):
+
+- ``rope+write+attn``: the rotary kernel, the cache write, then the decode kernel;
+- ``write+attn``: the cache write, then the decode kernel (q and k already rotated);
+- ``attn(write)``: the decode kernel writing the step's K/V itself (where the tree has it);
+- ``attn(rope,write)``: that, rotating q and the newest key inside too (where it has it).
+
+    python bench/decode_attention_gpu.py [--batch 1,8] [--ctx 160,1000] [--splits 1,2,16]
+
+Run it in two trees to compare their kernels (it uses whatever each tree's decode kernel
+takes). Prints microseconds per layer, PDL off and on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import torch
+
+H, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
+REPLAYS = 20
+
+
+def graph_us(calls) -> float:
+    """Microseconds per call of `calls` (one per layer), captured once and replayed."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * len(calls))
+
+
+def variants(batch: int, ctx: int, splits: int) -> dict:
+    from paged.kernels import decode as dec
+    from paged.kernels import paged_attention_decode, reshape_and_cache, rotary_embedding
+
+    takes = inspect.signature(paged_attention_decode).parameters
+    per_seq = -(-(ctx + 1) // BS)
+    blocks = batch * per_seq
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = [torch.randn(2, blocks, BS, HKV, D, device="cuda", dtype=torch.bfloat16,
+                          generator=gen) for _ in range(LAYERS)]  # fmt: skip
+    table = torch.arange(blocks, device="cuda", dtype=torch.int32).view(batch, per_seq)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    slots = (table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS).contiguous()
+    q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qkv = torch.randn(batch, (H + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    k = qkv[:, H * D : (H + HKV) * D].view(batch, HKV, D)
+    v = qkv[:, (H + HKV) * D :].view(batch, HKV, D)
+    out = torch.empty_like(q)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
+    cos_sin = torch.randn(4096, D, device="cuda")
+    ws = dec.decode_workspace(batch, H, D, max(splits, 2), "cuda") if splits > 1 else None
+    extra = {}
+    if "counters" in takes:
+        extra["counters"] = dec.decode_counters(batch, HKV, "cuda")
+    scale = D**-0.5
+
+    def attn(c, **kw):
+        return paged_attention_decode(q, c[0], c[1], out, seq, table, scale, ctx + 1, splits,
+                                      ws, **extra, **kw)  # fmt: skip
+
+    def rope():
+        rotary_embedding(pos, q, k, cos_sin, D)
+
+    out_v = {
+        "rope+write+attn": [lambda c=c: (rope(), reshape_and_cache(k, v, c[0], c[1], slots),
+                                         attn(c)) for c in caches],  # fmt: skip
+        "write+attn": [lambda c=c: (reshape_and_cache(k, v, c[0], c[1], slots), attn(c))
+                       for c in caches],  # fmt: skip
+    }
+    if "key" in takes:
+        fused = dict(key=k, value=v, slot_mapping=slots)
+        out_v["attn(write)"] = [lambda c=c: attn(c, **fused) for c in caches]
+    if "rotary" in takes:
+        fused = dict(key=k, value=v, slot_mapping=slots, rotary=(pos, cos_sin))
+        out_v["attn(rope,write)"] = [lambda c=c: attn(c, **fused) for c in caches]
+    return out_v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--ctx", default="160,1000")
+    ap.add_argument("--splits", default="1,2,16")
+    args = ap.parse_args()
+    from paged.kernels import pdl
+
+    print(torch.cuda.get_device_name(0), flush=True)
+    for batch in map(int, args.batch.split(",")):
+        for ctx in map(int, args.ctx.split(",")):
+            for splits in map(int, args.splits.split(",")):
+                row = []
+                for on in (False, True):
+                    pdl.enable(on)
+                    with torch.inference_mode():
+                        for name, calls in variants(batch, ctx, splits).items():
+                            row.append(f"{name}{'/pdl' if on else ''} {graph_us(calls):6.2f}")
+                pdl.enable(False)
+                print(f"B={batch} ctx={ctx} splits={splits}: " + " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
