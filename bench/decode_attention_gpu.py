@@ -64,30 +64,38 @@ def variants(batch: int, ctx: int, splits: int) -> dict:
     pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device="cuda")
     cos_sin = torch.randn(4096, D, device="cuda")
     ws = dec.decode_workspace(batch, H, D, max(splits, 2), "cuda") if splits > 1 else None
-    extra = {}
-    if "counters" in takes:
-        extra["counters"] = dec.decode_counters(batch, HKV, "cuda")
+    merges = {"": {}}  # how the splits merge: a second launch, or the last split (a ticket)
+    if splits > 1 and "counters" in takes:
+        merges = {"[ticket]": {"counters": dec.decode_counters(batch, HKV, "cuda")}}
+        if hasattr(dec, "_reduce_kernel"):
+            merges["[reduce]"] = {}
     scale = D**-0.5
 
-    def attn(c, **kw):
+    def attn(c, extra, **kw):
         return paged_attention_decode(q, c[0], c[1], out, seq, table, scale, ctx + 1, splits,
                                       ws, **extra, **kw)  # fmt: skip
 
     def rope():
         rotary_embedding(pos, q, k, cos_sin, D)
 
-    out_v = {
-        "rope+write+attn": [lambda c=c: (rope(), reshape_and_cache(k, v, c[0], c[1], slots),
-                                         attn(c)) for c in caches],  # fmt: skip
-        "write+attn": [lambda c=c: (reshape_and_cache(k, v, c[0], c[1], slots), attn(c))
-                       for c in caches],  # fmt: skip
-    }
-    if "key" in takes:
-        fused = dict(key=k, value=v, slot_mapping=slots)
-        out_v["attn(write)"] = [lambda c=c: attn(c, **fused) for c in caches]
-    if "rotary" in takes:
-        fused = dict(key=k, value=v, slot_mapping=slots, rotary=(pos, cos_sin))
-        out_v["attn(rope,write)"] = [lambda c=c: attn(c, **fused) for c in caches]
+    write = dict(key=k, value=v, slot_mapping=slots)
+    rot = dict(write, rotary=(pos, cos_sin))
+    out_v = {}
+    for tag, extra in merges.items():
+        out_v["rope+write+attn" + tag] = [
+            lambda c=c, e=extra: (rope(), reshape_and_cache(k, v, c[0], c[1], slots), attn(c, e))
+            for c in caches
+        ]
+        out_v["write+attn" + tag] = [
+            lambda c=c, e=extra: (reshape_and_cache(k, v, c[0], c[1], slots), attn(c, e))
+            for c in caches
+        ]
+        if "key" in takes:
+            out_v["attn(write)" + tag] = [lambda c=c, e=extra: attn(c, e, **write)
+                                          for c in caches]  # fmt: skip
+        if "rotary" in takes:
+            out_v["attn(rope,write)" + tag] = [lambda c=c, e=extra: attn(c, e, **rot)
+                                               for c in caches]  # fmt: skip
     return out_v
 
 
@@ -108,9 +116,10 @@ def main() -> None:
                     pdl.enable(on)
                     with torch.inference_mode():
                         for name, calls in variants(batch, ctx, splits).items():
-                            row.append(f"{name}{'/pdl' if on else ''} {graph_us(calls):6.2f}")
+                            row.append(f"  {name}{' pdl' if on else ''}: {graph_us(calls):.2f}")
                 pdl.enable(False)
-                print(f"B={batch} ctx={ctx} splits={splits}: " + " | ".join(row), flush=True)
+                print(f"B={batch} ctx={ctx} splits={splits}, us a layer:", flush=True)
+                print("\n".join(row), flush=True)
 
 
 if __name__ == "__main__":

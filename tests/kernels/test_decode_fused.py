@@ -105,6 +105,11 @@ def test_fused_write_and_merge(heads, kv_heads, dtype, num_splits, device):
     assert rel_err(out, ref) < TOL[dtype]
     if counters is not None:
         assert not counters.any()
+        # merged by a second launch instead (no counters): the same arithmetic, the same bits
+        kv2 = kv.clone()
+        poison(kv2, slots)
+        assert torch.equal(run_fused(q, k, v, kv2, table, SEQ_LENS, slots, num_splits), out)
+        assert same_bits(kv2, want)
 
 
 @pytest.mark.parametrize("fp8", FP8)

@@ -33,6 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
     # set these, or override `launch_tiles` to choose them from the device.
     decode_tiles: ClassVar[dict[str, int]] = {}
     varlen_tiles: ClassVar[dict[str, int]] = {}
+    # The decode's splits merge in its own launch (the last split, by a ticket) or in a second
+    # launch (paged.kernels.decode: the same bits either way).
+    merge_in_split: ClassVar[bool] = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -161,7 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if split else None,
-                counters=self.counters if split else None,
+                counters=self.counters if split and self.merge_in_split else None,
                 key=k,
                 value=v,
                 slot_mapping=meta.slot_mapping,

@@ -3,9 +3,11 @@
 Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
 to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
 table. With num_splits == 1 it writes `out` directly. Otherwise it writes a partial (acc, max,
-sum) to a fp32 workspace and takes a ticket from an int32 counter per (sequence, KV head): the
-program that takes the last merges the splits in index order (the same result whichever
-program finishes last), writes `out` and resets the counter to 0 for the next launch.
+sum) to a fp32 workspace, merged one of two ways: given `counters`, each program takes a
+ticket from an int32 counter per (sequence, KV head) and the one that takes the last merges
+the splits in index order (the same result whichever program finishes last), writes `out` and
+resets the counter to 0 for the next launch; without, `_reduce_kernel` (a second launch, one
+program per query head) merges them, in the same order and arithmetic.
 
 Given this step's `key`/`value`, the program whose split holds the newest position also
 writes that token to the cache first (`reshape_and_cache` fused in). Launch grids depend only
@@ -129,6 +131,7 @@ def _split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    TICKET: tl.constexpr,  # merged by the program that takes the last ticket (else later)
     SPLIT: tl.constexpr,  # num_splits > 1: partials to the workspace, merged by the last
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -225,30 +228,69 @@ def _split_kernel(
         tl.store(w[:, None] + d[None, :], acc, mask=io_mask)
         tl.store(w + HEAD_DIM, m_i, mask=row_ok)
         tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
-        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
-        slot = b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count_ptr + slot, 1) == num_splits - 1:  # acq_rel: partials visible
-            # The last program merges, as the splits' own softmax states: max over splits,
-            # then the sums rescaled to it, in split order.
-            m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-            for s in range(0, num_splits):
-                m_s = tl.load(w_row + s * stride_ws + HEAD_DIM, mask=row_ok, other=-1.0e30,
-                              cache_modifier=".cg")  # fmt: skip
-                m = tl.maximum(m, m_s)
-            denom = tl.zeros([BLOCK_H], tl.float32)
-            total = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
-            for s in range(0, num_splits):
-                ws = w_row + s * stride_ws
-                m_s = tl.load(ws + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-                l_s = tl.load(ws + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-                acc_s = tl.load(ws[:, None] + d[None, :], mask=io_mask, other=0.0,
-                                cache_modifier=".cg")  # fmt: skip
-                scale = tl.exp2(m_s - m)
-                denom += scale * l_s
-                total += acc_s * scale[:, None]
-            tl.atomic_xchg(count_ptr + slot, 0)  # zero again for the next launch
-            o = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
-            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
+        if TICKET:
+            _merge_if_last(w_row, o_ptrs, count_ptr, b * tl.num_programs(1) + kv_head,
+                           num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
+                           BLOCK_H)  # fmt: skip
+
+
+@triton.jit
+def _merge(w_row, o_ptrs, num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM: tl.constexpr,
+           HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Merge the partials at w_row (one row a query head) into o_ptrs, as the splits' own
+    softmax states: the max over splits, then the sums rescaled to it, in split order."""
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(w_row + s * stride_ws + HEAD_DIM, mask=row_ok, other=-1.0e30,
+                      cache_modifier=".cg")  # fmt: skip
+        m = tl.maximum(m, m_s)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    total = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
+    for s in range(0, num_splits):
+        ws = w_row + s * stride_ws
+        m_s = tl.load(ws + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(ws + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(ws[:, None] + d[None, :], mask=io_mask, other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+        scale = tl.exp2(m_s - m)
+        denom += scale * l_s
+        total += acc_s * scale[:, None]
+    o = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _merge_if_last(w_row, o_ptrs, count_ptr, slot, num_splits, stride_ws, row_ok, io_mask, d,
+                   HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                   BLOCK_H: tl.constexpr):  # fmt: skip
+    """Take the (sequence, KV head)'s ticket; the program that takes the last merges and
+    zeroes the counter for the next launch."""
+    tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+    if tl.atomic_add(count_ptr + slot, 1) == num_splits - 1:  # acq_rel: partials visible
+        _merge(w_row, o_ptrs, num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
+               BLOCK_H)  # fmt: skip
+        tl.atomic_xchg(count_ptr + slot, 0)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _reduce_kernel(
+    ws_ptr, out_ptr, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh, num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The merge as a second launch, one program per (sequence, KV head)."""
+    pdl.enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    g = tl.arange(0, BLOCK_H)
+    row_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_PAD)
+    io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
+    w_row = ws_ptr + b * stride_wb + head * stride_wh
+    o_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
+    _merge(w_row, o_ptrs, num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
+           BLOCK_H)  # fmt: skip
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -309,8 +351,9 @@ def paged_attention_decode(
 
     q/out `[B, num_heads, head_dim]`; seq_lens int32 `[B]` (0 gives zeros); block_tables
     int32 `[B, max_blocks]`. For CUDA graphs pass a fixed `num_splits`, a `workspace` from
-    `decode_workspace` (any buffer with dims >= `[B, num_heads, num_splits, D + 2]`) and
-    `counters` from `decode_counters` (int32 zeros, >= B * kv_heads; left zero).
+    `decode_workspace` (any buffer with dims >= `[B, num_heads, num_splits, D + 2]`).
+    `counters` from `decode_counters` (int32 zeros, >= B * kv_heads; left zero): the splits
+    merge in the same launch (the last to finish); without, a second launch merges them.
 
     `key`/`value` `[B, kv_heads, head_dim]` with `slot_mapping` `[B]`: this step's K/V,
     written to the cache first as `reshape_and_cache` would (slot < 0 skipped); each is
@@ -335,12 +378,12 @@ def paged_attention_decode(
         assert workspace.dtype == torch.float32 and workspace.stride(-1) == 1
         assert workspace.shape[0] >= batch and workspace.shape[1] == num_heads
         assert workspace.shape[2] >= num_splits and workspace.shape[3] >= head_dim + 2
-        if counters is None:
-            counters = decode_counters(batch, num_kv_heads, q.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= batch * num_kv_heads
+        if counters is not None:
+            assert counters.dtype == torch.int32 and counters.numel() >= batch * num_kv_heads
         ws, ws_strides = workspace, workspace.stride()[:3]
     else:
-        ws, ws_strides, counters = out, (0, 0, 0), seq_lens  # unused
+        ws, ws_strides = out, (0, 0, 0)  # unused
+    ticket = num_splits > 1 and counters is not None
     write = key is not None
     if write:
         assert value is not None and slot_mapping is not None
@@ -368,17 +411,23 @@ def paged_attention_decode(
     fp8 = fp8_args(k_cache)
     del fp8["QUANT"]
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, ws, counters, seq_lens, block_tables,
+        q, k_cache, v_cache, out, ws, counters if ticket else seq_lens, seq_lens, block_tables,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
         *kv_args[:3], *rope_args, sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, *kv_args[3:],
         num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad,
-        SPLIT=num_splits > 1, **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"],
+        SPLIT=num_splits > 1, TICKET=ticket, **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"],
         SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
         F16=fp8_as_f16(q, quant) if f16 is None else f16, WRITE_KV=write,
         ROTARY=rotary is not None, **fp8,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch()
     )  # fmt: skip
+    if num_splits > 1 and not ticket:
+        _reduce_kernel[(batch, num_kv_heads)](
+            ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits, GROUP=group,
+            BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=pad,
+            num_warps=4, **pdl.launch()
+        )  # fmt: skip
     return out
