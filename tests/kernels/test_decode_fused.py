@@ -174,34 +174,63 @@ def test_counters_and_workspace_shared_by_launches(device):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_backend_decode_step_writes_the_cache(device):
-    """TritonAttentionBackend.forward on a decode-only step: one kernel writes K/V and
-    attends (no reshape_and_cache); a step with a prefill row still writes first."""
+def test_backend_decode_step_writes_the_cache(device, monkeypatch):
+    """TritonAttentionBackend.forward on a decode-only step, with fuse_decode: one kernel
+    writes K/V, attends and merges its splits (no reshape_and_cache); without (the default):
+    the cache write, then the decode, its splits merged by a second launch. The same bits."""
+    from paged import kernels
+    from paged.kernels import decode
     from paged.kernels.backend import TritonAttentionBackend
     from paged.model.attention import AttentionMetadata
 
-    gen = torch.Generator().manual_seed(2)
+    launched = []
+    for mod, name in ((kernels, "reshape_and_cache"), (decode, "_reduce_kernel")):
+        monkeypatch.setattr(mod, name, _Spy(getattr(mod, name), launched, name))
     heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
     seq_lens = [150, 33, 17]
-    backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
-                                     torch.float32, torch.device(device))  # fmt: skip
-    kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, gen, device)
-    q, k, v = qkv(len(seq_lens), heads, kv_heads, head_dim, torch.float32, gen, device)
-    slots = newest_slots(table, seq_lens, block_size)
-    want = torch_write(kv, k, v, slots)
-    poison(kv, slots)
     n = len(seq_lens)
-    meta = AttentionMetadata(
-        num_reqs=n, num_decodes=n, num_tokens=n, query_start_loc=i32(list(range(n + 1)), device),
-        seq_lens=i32(seq_lens, device), block_tables=table, slot_mapping=slots, max_query_len=1,
-        max_seq_len=max(seq_lens),
-    )  # fmt: skip
-    meta = backend.plan(meta, num_splits=4)
-    assert backend.counters is not None and backend.counters.numel() >= n * kv_heads
-    out = backend.forward(q, k, v, kv, meta)
-    assert same_bits(kv, want) and not backend.counters.any()
-    ref = reference(q, want, [1] * n, seq_lens, table, 0.3)
-    assert rel_err(out, ref) < TOL[torch.float32]
+    outs, caches = [], []
+    for fuse in (True, False):
+        monkeypatch.setattr(TritonAttentionBackend, "fuse_decode", fuse)
+        gen = torch.Generator().manual_seed(2)
+        backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
+                                         torch.float32, torch.device(device))  # fmt: skip
+        kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, gen,
+                               device)  # fmt: skip
+        q, k, v = qkv(n, heads, kv_heads, head_dim, torch.float32, gen, device)
+        slots = newest_slots(table, seq_lens, block_size)
+        want = torch_write(kv, k, v, slots)
+        poison(kv, slots)
+        meta = AttentionMetadata(
+            num_reqs=n, num_decodes=n, num_tokens=n,
+            query_start_loc=i32(list(range(n + 1)), device), seq_lens=i32(seq_lens, device),
+            block_tables=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(seq_lens),
+        )  # fmt: skip
+        meta = backend.plan(meta, num_splits=4)
+        assert backend.counters is not None and backend.counters.numel() >= n * kv_heads
+        launched.clear()
+        outs.append(backend.forward(q, k, v, kv, meta))
+        caches.append(kv)
+        assert same_bits(kv, want) and not backend.counters.any()
+        assert launched == ([] if fuse else ["reshape_and_cache", "_reduce_kernel"])
+        ref = reference(q, want, [1] * n, seq_lens, table, 0.3)
+        assert rel_err(outs[-1], ref) < TOL[torch.float32]
+    assert torch.equal(outs[0], outs[1]) and same_bits(caches[0], caches[1])
+
+
+class _Spy:
+    """A kernel or function that records its name when launched or called."""
+
+    def __init__(self, real, log: list, name: str) -> None:
+        self.real, self.log, self.name = real, log, name
+
+    def __getitem__(self, grid):  # a Triton kernel's launch
+        self.log.append(self.name)
+        return self.real[grid]
+
+    def __call__(self, *args, **kwargs):
+        self.log.append(self.name)
+        return self.real(*args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -240,8 +269,8 @@ def test_rotary_inside_the_decode(dtype, num_splits, fp8, device):
 
 
 def test_backend_rotates_inside_decode_steps(device, monkeypatch):
-    """forward_rotary with the Triton op table: a decode-only step runs no rotary kernel and
-    equals the default (the rotary op, then forward)."""
+    """forward_rotary with the Triton op table under fuse_decode: a decode-only step runs no
+    rotary kernel and equals the default (the rotary op, then forward)."""
     from transformers import LlamaConfig
 
     from paged import kernels
@@ -251,6 +280,7 @@ def test_backend_rotates_inside_decode_steps(device, monkeypatch):
     from paged.model.attention import AttentionMetadata
     from paged.model.llama import rope_cache
 
+    monkeypatch.setattr(TritonAttentionBackend, "fuse_decode", True)
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, head_dim, block_size = 8, 2, 32, 8
     seq_lens = [150, 33, 17]

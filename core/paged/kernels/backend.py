@@ -33,9 +33,12 @@ class TritonAttentionBackend(AttentionBackend):
     # set these, or override `launch_tiles` to choose them from the device.
     decode_tiles: ClassVar[dict[str, int]] = {}
     varlen_tiles: ClassVar[dict[str, int]] = {}
-    # The decode's splits merge in its own launch (the last split, by a ticket) or in a second
-    # launch (paged.kernels.decode: the same bits either way).
-    merge_in_split: ClassVar[bool] = True
+    # Decode steps in one launch (True: the decode kernel writes the step's K/V, rotates q and
+    # k where forward_rotary passes the rope, and its last split merges the others) or as
+    # before (False: the cache write, the rotary kernel, then the decode kernel, its splits
+    # merged by a second launch). The same bits either way; on an H100 the one launch measured
+    # slower at batch 1 (bench/results/h200.md, 2026-12-05 09:15), so it is off.
+    fuse_decode: ClassVar[bool] = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -146,13 +149,15 @@ class TritonAttentionBackend(AttentionBackend):
         scales = {}
         if self.quantized_cache:  # fp8: quantized on write, dequantized on read
             scales["k_scale"], scales["v_scale"] = self.kv_scales(kv_cache)
-        if not plan.decode_only:  # a decode step's kernel writes its K/V itself
+        fused = plan.decode_only and self.fuse_decode  # the decode kernel writes its K/V
+        if not fused:
             reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         scale = self.scale if scale is None else scale
         layer = {"window": window, "softcap": softcap, **scales}
         if plan.decode_only:
             split = plan.num_splits > 1
+            written = {"key": k, "value": v, "slot_mapping": meta.slot_mapping} if fused else {}
             paged_attention_decode(
                 q,
                 k_cache,
@@ -164,11 +169,9 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if split else None,
-                counters=self.counters if split and self.merge_in_split else None,
-                key=k,
-                value=v,
-                slot_mapping=meta.slot_mapping,
+                counters=self.counters if split and fused else None,
                 rotary=rotary,
+                **written,
                 **self.decode_kwargs,
                 **layer,
             )
@@ -192,8 +195,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward_rotary(self, positions, q, k, v, kv_cache, meta, rope, **options):
         """Decode steps with the Triton op table's rope (positions, cos_sin_cache) over every
-        dim of a power-of-two head: q and k rotated inside the decode kernel (one launch
-        fewer a layer); otherwise the rotary kernel, then forward."""
+        dim of a power-of-two head, under fuse_decode: q and k rotated inside the decode
+        kernel (one launch fewer a layer); otherwise the rotary kernel, then forward."""
         from paged.kernels.head_dims import head_pad
         from paged.kernels.ops import RopeTable
 
@@ -201,6 +204,7 @@ class TritonAttentionBackend(AttentionBackend):
         d = q.shape[-1]
         if (
             plan.decode_only
+            and self.fuse_decode
             and isinstance(rope, RopeTable)
             and rope.cos_sin_cache.shape[-1] == d == head_pad(d)
         ):
