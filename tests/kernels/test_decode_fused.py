@@ -175,9 +175,10 @@ def test_counters_and_workspace_shared_by_launches(device):
 
 
 def test_backend_decode_step_writes_the_cache(device, monkeypatch):
-    """TritonAttentionBackend.forward on a decode-only step, with fuse_decode: one kernel
-    writes K/V, attends and merges its splits (no reshape_and_cache); without (the default):
-    the cache write, then the decode, its splits merged by a second launch. The same bits."""
+    """TritonAttentionBackend.forward on a decode-only step: with fuse_decode the decode
+    kernel writes K/V (no reshape_and_cache), without it the cache write runs first; its
+    splits merge in a second launch, or with merge_in_split in the split kernel (a ticket).
+    The same bits every way."""
     from paged import kernels
     from paged.kernels import decode
     from paged.kernels.backend import TritonAttentionBackend
@@ -190,8 +191,9 @@ def test_backend_decode_step_writes_the_cache(device, monkeypatch):
     seq_lens = [150, 33, 17]
     n = len(seq_lens)
     outs, caches = [], []
-    for fuse in (True, False):
+    for fuse, in_split in ((True, False), (False, False), (True, True)):
         monkeypatch.setattr(TritonAttentionBackend, "fuse_decode", fuse)
+        monkeypatch.setattr(TritonAttentionBackend, "merge_in_split", in_split)
         gen = torch.Generator().manual_seed(2)
         backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
                                          torch.float32, torch.device(device))  # fmt: skip
@@ -212,10 +214,13 @@ def test_backend_decode_step_writes_the_cache(device, monkeypatch):
         outs.append(backend.forward(q, k, v, kv, meta))
         caches.append(kv)
         assert same_bits(kv, want) and not backend.counters.any()
-        assert launched == ([] if fuse else ["reshape_and_cache", "_reduce_kernel"])
+        want_launched = ([] if fuse else ["reshape_and_cache"]) + ([] if in_split else
+                                                                   ["_reduce_kernel"])  # fmt: skip
+        assert launched == want_launched
         ref = reference(q, want, [1] * n, seq_lens, table, 0.3)
         assert rel_err(outs[-1], ref) < TOL[torch.float32]
-    assert torch.equal(outs[0], outs[1]) and same_bits(caches[0], caches[1])
+    for out, kv in zip(outs[1:], caches[1:]):
+        assert torch.equal(outs[0], out) and same_bits(caches[0], kv)
 
 
 class _Spy:

@@ -33,12 +33,14 @@ class TritonAttentionBackend(AttentionBackend):
     # set these, or override `launch_tiles` to choose them from the device.
     decode_tiles: ClassVar[dict[str, int]] = {}
     varlen_tiles: ClassVar[dict[str, int]] = {}
-    # Decode steps in one launch (True: the decode kernel writes the step's K/V, rotates q and
-    # k where forward_rotary passes the rope, and its last split merges the others) or as
-    # before (False: the cache write, the rotary kernel, then the decode kernel, its splits
-    # merged by a second launch). The same bits either way; on an H100 the one launch measured
-    # slower at batch 1 (bench/results/h200.md, 2026-12-05 09:15), so it is off.
-    fuse_decode: ClassVar[bool] = False
+    # Decode steps: the decode kernel writes the step's K/V itself and rotates q and k where
+    # forward_rotary passes the rope (fuse_decode), or the cache write and the rotary kernel
+    # run first; the splits merge in a second launch, or in the split kernel by the last split
+    # to finish (merge_in_split, a ticket). The same bits every way. On an H100 at batch 1
+    # (bench/results/h200.md, 2026-12-05 10:22) the fused write with a second launch was
+    # fastest (5.76 ms a token against 5.81 unfused and 5.87 merging in the split kernel).
+    fuse_decode: ClassVar[bool] = True
+    merge_in_split: ClassVar[bool] = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -169,7 +171,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if split else None,
-                counters=self.counters if split and fused else None,
+                counters=self.counters if split and self.merge_in_split else None,
                 rotary=rotary,
                 **written,
                 **self.decode_kwargs,
