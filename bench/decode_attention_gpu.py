@@ -20,27 +20,6 @@ import inspect
 import torch
 
 H, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
-REPLAYS = 20
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call of `calls` (one per layer), captured once and replayed."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * len(calls))
 
 
 def variants(batch: int, ctx: int, splits: int) -> dict:
@@ -97,6 +76,14 @@ def variants(batch: int, ctx: int, splits: int) -> dict:
             out_v["attn(rope,write)" + tag] = [lambda c=c, e=extra: attn(c, e, **rot)
                                                for c in caches]  # fmt: skip
     return out_v
+
+
+def graph_us(calls) -> float:
+    """Microseconds a call: the calls (one per layer) captured once in a CUDA graph and
+    replayed, as the CUDA plugin times its start-up choices."""
+    from paged_cuda.gemv_select import graph_time
+
+    return graph_time(calls) * 1e6
 
 
 def main() -> None:

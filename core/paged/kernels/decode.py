@@ -1,4 +1,4 @@
-"""Split-K ("flash-decoding") paged attention for one query token per sequence, in one launch.
+"""Split-K ("flash-decoding") paged attention for one query token per sequence.
 
 Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
 to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
@@ -7,7 +7,7 @@ sum) to a fp32 workspace, merged one of two ways: given `counters`, each program
 ticket from an int32 counter per (sequence, KV head) and the one that takes the last merges
 the splits in index order (the same result whichever program finishes last), writes `out` and
 resets the counter to 0 for the next launch; without, `_reduce_kernel` (a second launch, one
-program per query head) merges them, in the same order and arithmetic.
+program per (sequence, KV head)) merges them, in the same order and arithmetic (`_merge`).
 
 Given this step's `key`/`value`, the program whose split holds the newest position also
 writes that token to the cache first (`reshape_and_cache` fused in). Launch grids depend only
@@ -410,13 +410,14 @@ def paged_attention_decode(
     k_scale, v_scale, quant = kv_scale_args(k_cache, k_scale, v_scale, num_kv_heads)
     fp8 = fp8_args(k_cache)
     del fp8["QUANT"]
+    block_h = max(16, triton.next_power_of_2(group))  # a KV head's query rows, for tl.dot
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws, counters if ticket else seq_lens, seq_lens, block_tables,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
         *kv_args[:3], *rope_args, sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *ws_strides, *kv_args[3:],
-        num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        num_splits, GROUP=group, BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_PAD=pad,
         SPLIT=num_splits > 1, TICKET=ticket, **dot_flags(q), HAS_WINDOW=sargs["HAS_WINDOW"],
         SOFTCAP=sargs["SOFTCAP"], QUANT=quant,
@@ -427,7 +428,7 @@ def paged_attention_decode(
     if num_splits > 1 and not ticket:
         _reduce_kernel[(batch, num_kv_heads)](
             ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits, GROUP=group,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, HEAD_PAD=pad,
+            BLOCK_H=block_h, HEAD_DIM=head_dim, HEAD_PAD=pad,
             num_warps=4, **pdl.launch()
         )  # fmt: skip
     return out
