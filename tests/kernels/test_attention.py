@@ -97,6 +97,29 @@ def test_varlen(heads, kv_heads, dtype, case, device):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+def test_varlen_padded_like_a_graph(device):
+    """A captured step's view: more token rows than the batch's (unwritten), empty sequences
+    after the real ones, max_query_len the static token count; the real rows match the
+    reference, and a decode row among long chunks is covered by the flat grid."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, block_size, dtype = 8, 2, 64, 16, torch.float32
+    seq_lens, query_lens = [40, 1, 70, 9], [33, 1, 70, 0]  # a chunk, a decode, a prompt, none
+    real = sum(query_lens)
+    kv, table = make_cache(seq_lens + [0, 0, 0], kv_heads, head_dim, block_size, dtype, gen,
+                           device)  # fmt: skip
+    rows = 160  # the static token count
+    q = strided_q(rows, heads, kv_heads, head_dim, dtype, gen, device)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=device)
+    ends = torch.tensor(query_lens).cumsum(0).tolist()
+    qsl = i32([0, *ends, real, real, real], device)  # three empty padding sequences
+    seq = i32(seq_lens + [0, 0, 0], device)
+    paged_attention_varlen(q, kv[0], kv[1], out, qsl, seq, table, 0.125, rows, 512)
+    ref = reference(q[:real], kv[0], kv[1], query_lens, seq_lens, table[:4], 0.125)
+    assert not out[:real].isnan().any(), "every real query row must be written"
+    assert out[real:].isnan().all(), "padding rows are left alone"
+    assert rel_err(out[:real], ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("head_dim,block_size", [(128, 16), (256, 16), (32, 8), (16, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_shapes(head_dim, block_size, dtype, device):

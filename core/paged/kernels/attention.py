@@ -4,6 +4,13 @@ Cache layout per layer: `k_cache`, `v_cache` `[num_blocks, block_size, kv_heads,
 One program handles BLOCK_Q query tokens x all query heads of one KV head (GQA grouping:
 row r of the tile is token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile is read
 once per KV head. Keys are gathered through the block table in tiles of BLOCK_N.
+
+The grid is flat: sequence b owns the query tiles from `query_start_loc[b] // BLOCK_Q + b`
+on (at least ceil(query_len / BLOCK_Q) of them), so `num_tokens // BLOCK_Q + batch` programs
+per KV head cover every sequence, and a program finds its sequence by a binary search. The
+grid then depends on the token count and the batch size alone: a mixed step of one long chunk
+and many decodes launches no program per (decode, tile of the chunk), and a captured graph's
+grid (static token count, static batch padded with empty sequences) covers any step that fits.
 """
 
 from __future__ import annotations
@@ -31,7 +38,21 @@ __all__ = ["paged_attention_decode", "paged_attention_varlen"]
 
 # Per-step ints are not specialised on (a variant per "equal to 1 / divisible by 16" would
 # compile while serving); the tile sizes, chosen from max_query_len, are the only variants.
-@triton.jit(do_not_specialize=["window", "stride_bt"])
+@triton.jit
+def _find_sequence(qsl_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence b whose first tile `qsl[b] // BLOCK_Q + b` is at most `tile`."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["window", "stride_bt", "num_seqs"])
 def _varlen_kernel(
     q_ptr,
     k_cache_ptr,
@@ -45,6 +66,7 @@ def _varlen_kernel(
     qk_scale,
     cap_log2e,
     window,
+    num_seqs,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -68,12 +90,12 @@ def _varlen_kernel(
     QUANT: tl.constexpr,
     F16: tl.constexpr,  # an fp8 cache read as fp16 (q cast too): see fp8_as_f16
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    flat = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = _find_sequence(qsl_ptr, flat, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
-    q0 = tile * BLOCK_Q
+    q0 = (flat - q_start // BLOCK_Q - b) * BLOCK_Q
     if q0 >= q_len:  # tile past this sequence's queries (or query_len 0)
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -177,7 +199,9 @@ def paged_attention_varlen(
 
     q/out `[T, num_heads, head_dim]`; query_start_loc int32 `[B+1]`; seq_lens int32 `[B]`
     (context length including this step's queries, whose K/V are already cached);
-    block_tables int32 `[B, max_blocks]`. `max_query_len` sizes the grid (no host sync).
+    block_tables int32 `[B, max_blocks]`. `max_query_len` (at least the longest chunk)
+    picks the tiles; the grid comes from T and B (no host sync). Sequences may be empty (a
+    graph's padding), and rows past `query_start_loc[B]` are left unwritten.
     """
     group = check_attention_args(q, k_cache, v_cache)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -194,13 +218,13 @@ def paged_attention_varlen(
     block_q = block_m // group_pad
     block_n = block_n or min(64, 16384 // (pad * q.element_size()))  # K+V tile <= 32 KiB
     num_warps = num_warps or (4 if pad <= 128 else 8)
-    grid = (triton.cdiv(max_query_len, block_q), batch, k_cache.shape[2])
+    grid = (q.shape[0] // block_q + batch, k_cache.shape[2])
     sargs = score_args(scale, window, softcap)
     k_scale, v_scale, quant = kv_scale_args(k_cache, k_scale, v_scale, k_cache.shape[2])
     _varlen_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         k_scale if quant else seq_lens, v_scale if quant else seq_lens,  # unread unless QUANT
-        sargs["qk_scale"], sargs["cap_log2e"], sargs["window"],
+        sargs["qk_scale"], sargs["cap_log2e"], sargs["window"], batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
