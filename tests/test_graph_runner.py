@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paged.model.attention import AttentionMetadata
-from paged.worker.graph_runner import GraphStepRunner, capture_sizes
+from paged.worker.graph_runner import GraphStepRunner, capture_sizes, prefill_capture_sizes
 
 
 class FakeGraph:
@@ -41,6 +41,7 @@ class FakeModel(torch.nn.Module):
         def compute():  # each row with its request's length and first block
             req = torch.searchsorted(meta.query_start_loc[1:].long(),
                                      torch.arange(len(input_ids)), right=True)  # fmt: skip
+            req = req.clamp(max=meta.num_reqs - 1)  # a graph's padding rows: past every request
             cols = [input_ids, positions, meta.seq_lens.long()[req], meta.slot_mapping]
             return torch.stack(cols + [meta.block_tables[req, 0].long()], -1)
 
@@ -117,11 +118,13 @@ class FakeGraphRunner(GraphStepRunner):
 
 
 def make_runner(cls=FakeGraphRunner, enforce_eager=False, graph_plan=True, max_num_seqs=6,
-                spec_tokens=None, enable_lora=False, graph_safe_varlen=True):  # fmt: skip
+                spec_tokens=None, enable_lora=False, graph_safe_varlen=True,
+                prefill_graphs=False, max_num_batched_tokens=40):  # fmt: skip
     spec = None if spec_tokens is None else SimpleNamespace(num_speculative_tokens=spec_tokens)
     config = SimpleNamespace(
         enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_model_len=64, block_size=16,
-        speculative_config=spec, enable_lora=enable_lora,
+        speculative_config=spec, enable_lora=enable_lora, prefill_graphs=prefill_graphs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     syncs: list[int] = []
     platform = SimpleNamespace(device=torch.device("cpu"), synchronize=lambda: syncs.append(1),
@@ -382,3 +385,69 @@ def test_no_verification_graphs(why):
     assert runner.spec_q == 0 and runner.spec_graphs == {} and len(runner.graphs) == 4
     out = verify_step(runner, [1, 3], [11, 20])
     assert out[:, 2].tolist() == [11, 20, 20, 20]  # eager, unpadded
+
+
+def test_prefill_capture_sizes():
+    assert prefill_capture_sizes(40) == [16, 32, 40]
+    assert prefill_capture_sizes(100) == [16, 32, 64, 100]
+    sizes = prefill_capture_sizes(8192)
+    assert sizes[:4] == [16, 32, 64, 128] and sizes[-4:] == [1280, 1536, 1792, 2048]
+    assert len(sizes) == 18 and prefill_capture_sizes(8192, limit=512)[-1] == 512
+
+
+def chunk_step(runner, qlens, seq_lens):
+    """A step with prompt chunks: request i has qlens[i] rows (decodes first)."""
+    return verify_step(runner, qlens, seq_lens)
+
+
+def test_prefill_steps_replay_padded_graphs(caplog):
+    runner, _ = make_runner(prefill_graphs=True)
+    with caplog.at_level(logging.INFO, logger="paged"):
+        runner.capture()
+    assert runner.prefill_sizes == [16, 32, 40] and sorted(runner.prefill_graphs) == [16, 32, 40]
+    assert runner.prefill_reqs == 6 and runner.input_ids.shape == (40,)
+    assert runner.backend.plans[:3] == [("eager", 6)] * 3  # captured first, largest first
+    assert "captured 7 Fake graphs" in caplog.text
+    assert "prompt chunks up to 40 tokens and 6 requests" in caplog.text
+    calls = runner.model.calls
+    out = chunk_step(runner, [1, 1, 9], [11, 12, 30])  # two decodes and a chunk: 11 rows -> 16
+    graph = runner.prefill_graphs[16][0]
+    assert graph.replays == 1 and runner.model.calls == calls
+    req = [0, 1] + [2] * 9
+    expected = [[5 + t, 20 + t, [11, 12, 30][r], 100 + t, 3 + r] for t, r in enumerate(req)]
+    assert out.tolist() == expected
+    assert runner.prefill_qsl.tolist() == [0, 1, 2, 11, 11, 11, 11]  # the rest: empty
+    assert runner.seq_lens[3:6].tolist() == [0, 0, 0]
+    assert runner.slots[11:16].tolist() == [-1] * 5  # padding rows write nowhere
+    chunk_step(runner, [16, 16], [16, 32])  # 32 rows: the graph of 32, exactly
+    assert runner.prefill_graphs[32][0].replays == 1
+    step(runner, 4)  # a pure decode step: its own graph
+    assert runner.graphs[4][0].replays == 1
+    chunk_step(runner, [20, 21], [20, 21])  # 41 rows: more than captured, eager
+    assert runner.model.calls == calls + 1
+
+
+def test_prefill_graphs_hold_few_requests():
+    class FewRequests(FakeGraphRunner):
+        max_prefill_capture_reqs = 2
+
+    runner, _ = make_runner(FewRequests, prefill_graphs=True)
+    runner.capture()
+    assert runner.prefill_reqs == 2 and runner.prefill_qsl.shape == (3,)
+    calls = runner.model.calls
+    out = chunk_step(runner, [1, 1, 3], [11, 12, 13])  # three requests: eager
+    assert runner.model.calls == calls + 1 and out[:, 2].tolist() == [11, 12, 13, 13, 13]
+    chunk_step(runner, [1, 3], [11, 13])
+    assert runner.model.calls == calls + 1 and runner.prefill_graphs[16][0].replays == 1
+
+
+@pytest.mark.parametrize("why", ["off", "lora", "backend", "stages"])
+def test_no_prefill_graphs(why):
+    kw = {"lora": {"enable_lora": True}, "backend": {"graph_safe_varlen": False}}.get(why, {})
+    runner, _ = make_runner(prefill_graphs=why != "off", **kw)
+    runner.config.pipeline_parallel_size = 2 if why == "stages" else 1
+    runner.capture()
+    assert runner.prefill_graphs == {} and runner.prefill_reqs == 0 and len(runner.graphs) == 4
+    calls = runner.model.calls
+    chunk_step(runner, [1, 3], [11, 13])
+    assert runner.model.calls == calls + 1

@@ -104,6 +104,11 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = _opt("reuse KV blocks of shared prefixes", default=True)
     enforce_eager: bool = _opt("disable graph capture", default=False)
+    prefill_graphs: bool = _opt(
+        "with graphs: also capture steps with prompt chunks (up to 2048 tokens and 64 "
+        "requests on GPUs), padded to the nearest captured token count; otherwise they run "
+        "eagerly", default=True,
+    )
     async_scheduling: bool | None = _opt(
         "schedule and launch each step before the previous step's tokens reach the host, "
         "hiding host work behind the device (default: the platform's choice)"

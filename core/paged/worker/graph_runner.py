@@ -1,7 +1,14 @@
-"""Graph capture for decode steps, device-neutral: graphs are captured at start-up for a set
-of batch sizes and replayed with the batch padded up to the nearest captured size. Prefill
-steps run eagerly, and so does every step after a capture that fails (unless the platform
-asks for the error instead).
+"""Graph capture, device-neutral: decode graphs are captured at start-up for a set of batch
+sizes and replayed with the batch padded up to the nearest captured size. Every step after a
+capture that fails runs eagerly (unless the platform asks for the error instead).
+
+Steps with prompt chunks (`prefill_graphs`, where the backend's varlen plan is fixed by static
+shapes) get graphs of their own, one per token count up to `max_prefill_capture_tokens`, for
+up to `max_prefill_capture_reqs` requests: the step's tokens fill the first rows (the rest
+are padding rows: no KV slot, outputs dropped), its requests the first entries of a static
+query_start_loc (the rest empty sequences). Their eager forward is host-bound (hundreds of
+launches against a few milliseconds of device work); a replay is one launch. Larger steps,
+whose device time hides their launches, run eagerly.
 
 With speculative decoding, a second set of graphs runs the verification steps: every request
 padded to Q = 1 + num_speculative_tokens query rows (a plain decode, a verification of fewer
@@ -53,6 +60,15 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
     return sorted(set(sizes + [top]))
 
 
+def prefill_capture_sizes(max_tokens: int, limit: int = 2048) -> list[int]:
+    """Token counts of steps with prompt chunks to capture: 16, 32, every 64 up to 512, every
+    128 up to 1024, every 256 above, up to min(max_tokens, limit). Above 512 the steps fall
+    within a GEMM tile or two of a captured count."""
+    top = min(max_tokens, limit)
+    sizes = [16, 32, *range(64, 513, 64), *range(640, 1025, 128), *range(1280, top + 1, 256)]
+    return sorted({s for s in sizes if s <= top} | {top})
+
+
 class GraphStepRunner(StepRunner):
     graph_name: ClassVar[str] = "device"  # in the progress bar and log lines ("CUDA", "HIP")
     max_capture_size: ClassVar[int] = 512  # the largest decode batch captured
@@ -62,6 +78,9 @@ class GraphStepRunner(StepRunner):
 
     max_spec_capture_size: ClassVar[int] = 128  # the largest verification batch captured
     max_tail_capture_size: ClassVar[int] = 32  # the largest decode graph that runs `tail` too
+    # Steps with prompt chunks: the most tokens and requests a captured one holds.
+    max_prefill_capture_tokens: ClassVar[int] = 2048
+    max_prefill_capture_reqs: ClassVar[int] = 64
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +92,9 @@ class GraphStepRunner(StepRunner):
         self.spec_graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.spec_sizes: list[int] = []
         self.spec_q = self.spec_width()
+        self.prefill_graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
+        self.prefill_sizes: list[int] = []
+        self.prefill_reqs = 0  # requests in each prefill graph (its static batch)
 
     # The device's graph API: overridden per platform.
 
@@ -108,6 +130,21 @@ class GraphStepRunner(StepRunner):
             return 0
         return 1 + spec.num_speculative_tokens
 
+    def prefill_plan(self, top: int) -> tuple[list[int], int]:
+        """(token counts, requests) of the graphs for steps with prompt chunks, ([], 0) where
+        there are none: off, LoRA (its token slots are planned per step), pipeline stages
+        (their forward does not come here), or a backend whose varlen plan reads the host."""
+        cfg = self.config
+        if (
+            not cfg.prefill_graphs
+            or getattr(cfg, "enable_lora", False)
+            or getattr(cfg, "pipeline_parallel_size", 1) > 1
+            or not getattr(self.backend, "graph_safe_varlen", False)
+        ):
+            return [], 0
+        sizes = prefill_capture_sizes(cfg.max_num_batched_tokens, self.max_prefill_capture_tokens)
+        return sizes, min(top, self.max_prefill_capture_reqs)
+
     def allocate_static_inputs(self, top: int, top_tokens: int | None = None) -> None:
         """Input buffers the graphs read, sized for the largest captured batch (`top`
         requests, `top_tokens` query rows: `top` unless verification graphs need more)."""
@@ -126,6 +163,8 @@ class GraphStepRunner(StepRunner):
         if self.spec_q:  # verification graphs: Q rows per request
             q = self.spec_q
             self.spec_qsl = torch.arange(0, top * q + 1, q, dtype=torch.int32, device=dev)
+        if self.prefill_reqs:  # prefill graphs: written at each replay
+            self.prefill_qsl = torch.zeros(self.prefill_reqs + 1, dtype=torch.int32, device=dev)
 
     def graph_meta(self, n: int) -> AttentionMetadata:
         """The planned metadata of a captured decode batch of `n`: views of the static
@@ -160,6 +199,23 @@ class GraphStepRunner(StepRunner):
         )
         return plan_groups(self.backend, self._group_views(meta, n, n * q))
 
+    def prefill_graph_meta(self, t: int) -> AttentionMetadata:
+        """The metadata of a captured step of `t` token rows and `prefill_reqs` requests:
+        views of the static buffers; max_query_len t picks the varlen tiles."""
+        r = self.prefill_reqs
+        meta = AttentionMetadata(
+            num_reqs=r,
+            num_decodes=0,
+            num_tokens=t,
+            query_start_loc=self.prefill_qsl,
+            seq_lens=self.seq_lens[:r],
+            block_tables=self.tables[:r],
+            slot_mapping=self.slots[:t],
+            max_query_len=t,
+            max_seq_len=self.config.max_model_len,
+        )
+        return plan_groups(self.backend, self._group_views(meta, r, t))
+
     def _group_views(self, meta: AttentionMetadata, n: int, rows: int) -> AttentionMetadata:
         """`meta` with a view of every other KV-cache group's static table and slots."""
         meta.group_views = [
@@ -178,7 +234,7 @@ class GraphStepRunner(StepRunner):
         for view, table, slots in zip(views, self.group_tables, self.group_slots):
             table[:n, :width].copy_(view.block_tables, non_blocking=True)
             if rows is None:
-                slots[:n].copy_(view.slot_mapping, non_blocking=True)
+                slots[: view.slot_mapping.shape[0]].copy_(view.slot_mapping, non_blocking=True)
             else:
                 slots.index_copy_(0, rows, view.slot_mapping)
 
@@ -203,19 +259,32 @@ class GraphStepRunner(StepRunner):
         spec_sizes = []
         if q:  # verification graphs (speculative decoding)
             spec_sizes = capture_sizes(self.config.max_num_seqs, self.max_spec_capture_size)
-        self.allocate_static_inputs(sizes[-1], max(spec_sizes, default=0) * q)
+        prefill_sizes, self.prefill_reqs = self.prefill_plan(sizes[-1])
+        rows = max(max(spec_sizes, default=0) * q, max(prefill_sizes, default=0))
+        self.allocate_static_inputs(sizes[-1], rows)
         ensure_workspace = getattr(self.backend, "ensure_workspace", None)
         if ensure_workspace is not None:  # the backend's workspace for the largest batch
             ensure_workspace(sizes[-1])
         t0 = time.perf_counter()
-        todo = [(n, 1) for n in reversed(sizes)] + [(n, q) for n in reversed(spec_sizes)]
+        # The largest first (prefill steps hold the most activations): the pool is reused.
+        todo = (
+            [("prefill", t) for t in reversed(prefill_sizes)]
+            + [("decode", n) for n in reversed(sizes)]
+            + [("verify", n) for n in reversed(spec_sizes)]
+        )
+        kept = {"prefill": self.prefill_graphs, "decode": self.graphs, "verify": self.spec_graphs}
         try:
             pool = self.graph_pool()
             desc = f"Capturing {self.graph_name} graphs"
-            for n, rows in tqdm(todo, desc=desc, leave=False):
-                meta = self.graph_meta(n) if rows == 1 else self.spec_graph_meta(n)
-                t = n * rows
-                tail = rows == 1 and self.tail is not None and n <= self.max_tail_capture_size
+            for kind, n in tqdm(todo, desc=desc, leave=False):
+                if kind == "prefill":
+                    meta, t = self.prefill_graph_meta(n), n
+                elif kind == "decode":
+                    meta, t = self.graph_meta(n), n
+                else:
+                    meta, t = self.spec_graph_meta(n), n * q
+                tail = kind == "decode" and self.tail is not None
+                tail = tail and n <= self.max_tail_capture_size
                 args = (self.input_ids[:t], self.positions[:t], meta, tail)
                 with torch.inference_mode():
                     for _ in range(2):  # warm-up: kernels compile outside the capture
@@ -224,15 +293,15 @@ class GraphStepRunner(StepRunner):
                     graph = self.new_graph()
                     with self.graph_capture(graph, pool):
                         out, tail_out = self._graph_body(*args)
-                (self.graphs if rows == 1 else self.spec_graphs)[n] = (graph, out, meta)
+                kept[kind][n] = (graph, out, meta)
                 if tail_out is not None:
                     self.tails[n] = tail_out
         except RuntimeError as e:  # a driver or op that cannot be captured
             if not self.eager_fallback:
                 raise
             log.warning("%s graph capture failed, running eagerly: %s", self.graph_name, e)
-            self.graphs.clear()
-            self.spec_graphs.clear()
+            for graphs in kept.values():
+                graphs.clear()
             self.tails.clear()
             return
         try:
@@ -244,15 +313,18 @@ class GraphStepRunner(StepRunner):
                         self.graph_name, e)  # fmt: skip
             self.sample_graphs.clear()
         self.synchronize()
-        self.sizes, self.spec_sizes = sizes, spec_sizes
+        self.sizes, self.spec_sizes, self.prefill_sizes = sizes, spec_sizes, prefill_sizes
         spec = f", verification batch 1..{spec_sizes[-1]} x {q} rows" if spec_sizes else ""
+        if prefill_sizes:
+            spec += (f", steps with prompt chunks up to {prefill_sizes[-1]} tokens and "
+                     f"{self.prefill_reqs} requests")  # fmt: skip
         if self.tails:
             spec += f", LM head and greedy tokens inside up to batch {max(self.tails)}"
         if self.sample_graphs:
             spec += " (sampled tokens in graphs of their own)"
         log.info(
             "captured %d %s graphs (decode batch 1..%d%s) in %.1f s",
-            len(self.graphs) + len(self.spec_graphs),
+            len(self.graphs) + len(self.spec_graphs) + len(self.prefill_graphs),
             self.graph_name,
             sizes[-1],
             spec,
@@ -303,6 +375,8 @@ class GraphStepRunner(StepRunner):
         n = meta.num_reqs
         if meta.num_decodes != n and self._fits_spec_graph(meta):
             return self._spec_forward(input_ids, positions, meta)
+        if meta.num_decodes != n and self._fits_prefill_graph(meta, input_ids.shape[0]):
+            return self._prefill_forward(input_ids, positions, meta)
         if not self.graphs or meta.num_decodes != n or n > self.sizes[-1]:
             return super().forward(input_ids, positions, meta)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -338,6 +412,33 @@ class GraphStepRunner(StepRunner):
             self.seq_lens[n:size].fill_(0)
         graph.replay()
         return out
+
+    def _fits_prefill_graph(self, meta: AttentionMetadata, tokens: int) -> bool:
+        return bool(
+            self.prefill_graphs
+            and meta.num_reqs <= self.prefill_reqs
+            and tokens <= self.prefill_sizes[-1]
+        )
+
+    def _prefill_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Replay the prefill graph of the nearest token count: the step's tokens in its
+        first rows, its requests in the first entries of query_start_loc, the rest empty."""
+        n, t = meta.num_reqs, input_ids.shape[0]
+        size = self.prefill_sizes[bisect.bisect_left(self.prefill_sizes, t)]
+        graph, out, _ = self.prefill_graphs[size]
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.prefill_qsl[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
+        self.prefill_qsl[n + 1 :].fill_(t)
+        self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[n : self.prefill_reqs].fill_(0)
+        self._copy_groups(meta)
+        for slots in self.group_slots:  # padding rows write nowhere
+            slots[t:size].fill_(-1)
+        graph.replay()
+        return out[:t]
 
     def _fits_spec_graph(self, meta: AttentionMetadata) -> bool:
         """Whether a verification graph runs this step: each request's query rows fit in Q
