@@ -73,10 +73,11 @@ class ReplayGraph:
 
 
 def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_only):
-    """Decode and speculative verification steps (ngram proposals) replay captured "graphs":
-    each group's block tables and slots reach its static buffers (padded rows write nowhere);
-    greedy tokens equal HF's. (The null block is not poisoned here: a verification graph's
-    padding rows reach past the table, whose padding is block 0, with zero weight.)"""
+    """Decode, prompt-chunk and speculative verification steps (ngram proposals) replay
+    captured "graphs": each group's block tables and slots reach its static buffers (padded
+    rows write nowhere); greedy tokens equal HF's. (The null block is not poisoned here: a
+    verification graph's padding rows reach past the table, whose padding is block 0, with
+    zero weight.)"""
     import contextlib
 
     from test_hf_parity import hf_greedy
@@ -121,7 +122,8 @@ def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_on
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in outs]
-        for graphs in (runner.graphs, runner.spec_graphs):
+        assert runner.prefill_sizes == [16]  # prompt chunks: their own graph
+        for graphs in (runner.graphs, runner.spec_graphs, runner.prefill_graphs):
             assert sum(g.replays for g, _, _ in graphs.values()) > 0
         kv = llm.engine.kv
         assert kv.num_window_released > 0
