@@ -209,11 +209,14 @@ def test_backend_decode_step_writes_the_cache(device, monkeypatch):
             block_tables=table, slot_mapping=slots, max_query_len=1, max_seq_len=max(seq_lens),
         )  # fmt: skip
         meta = backend.plan(meta, num_splits=4)
-        assert backend.counters is not None and backend.counters.numel() >= n * kv_heads
+        if in_split:  # the tickets exist only for the merge in the split kernel
+            assert backend.counters.numel() >= n * kv_heads
+        else:
+            assert backend.counters is None
         launched.clear()
         outs.append(backend.forward(q, k, v, kv, meta))
         caches.append(kv)
-        assert same_bits(kv, want) and not backend.counters.any()
+        assert same_bits(kv, want) and (not in_split or not backend.counters.any())
         want_launched = ([] if fuse else ["reshape_and_cache"]) + ([] if in_split else
                                                                    ["_reduce_kernel"])  # fmt: skip
         assert launched == want_launched

@@ -45,7 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.workspace: torch.Tensor | None = None
-        self.counters: torch.Tensor | None = None  # int32 zeros: the decode's split tickets
+        # int32 zeros: the decode's split tickets (allocated only under merge_in_split)
+        self.counters: torch.Tensor | None = None
         self._retired: list[torch.Tensor] = []  # outgrown buffers a captured graph may use
         self.decode_kwargs, self.varlen_kwargs = self.launch_tiles()
 
@@ -101,16 +102,18 @@ class TritonAttentionBackend(AttentionBackend):
         return dict(self.decode_tiles), dict(self.varlen_tiles)
 
     def ensure_workspace(self, max_batch: int) -> None:
-        """The split-K decode's workspace and counters for batches up to `max_batch`."""
+        """The split-K decode's workspace (and its tickets, where the splits merge in the
+        split kernel) for batches up to `max_batch`."""
         from paged.kernels.decode import MAX_SPLITS, decode_counters, decode_workspace
 
         if self.workspace is None or self.workspace.shape[0] < max_batch:
             if self.workspace is not None:  # graphs captured before keep their pointers
-                self._retired += [self.workspace, self.counters]
+                self._retired += [t for t in (self.workspace, self.counters) if t is not None]
             self.workspace = decode_workspace(
                 max_batch, self.num_heads, self.head_dim, MAX_SPLITS, self.device
             )
-            self.counters = decode_counters(max_batch, self.num_kv_heads, self.device)
+            if self.merge_in_split:
+                self.counters = decode_counters(max_batch, self.num_kv_heads, self.device)
 
     def plan_for_graph(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Plan a captured decode step: splits fixed from the static shapes."""
@@ -171,7 +174,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.max_seq_len,
                 plan.num_splits,
                 self.workspace if split else None,
-                counters=self.counters if split and self.merge_in_split else None,
+                counters=self.counters if split else None,
                 rotary=rotary,
                 **written,
                 **self.decode_kwargs,
