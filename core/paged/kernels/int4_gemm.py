@@ -29,12 +29,12 @@ def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0
     words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     mask = col_ok[:, None] & (words_k < KW)[None, :]
     words = tl.load(codes_ptr + cols64[:, None] * KW + words_k[None, :], mask=mask, other=0)
-    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    q = tl.reshape(q, (q.shape[0], BLOCK_K))
+    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) | 0x4B000000
+    q = tl.reshape(q, (q.shape[0], BLOCK_K)).to(tl.float32, bitcast=True)  # 2^23 + code
     g = k0 // group_k
     s = tl.load(scales_ptr + cols64 * G + g, mask=col_ok, other=0.0)
-    z = tl.load(zeros_ptr + cols64 * G + g, mask=col_ok, other=0).to(tl.int32)
-    w = (q - z[:, None]).to(tl.float32) * s[:, None]
+    z = tl.load(zeros_ptr + cols64 * G + g, mask=col_ok, other=0).to(tl.float32) + 8388608.0
+    w = (q - z[:, None]) * s[:, None]  # code - zero exact, as in int4_gemv (no int-to-float)
     if HAS_MIN:  # GGUF Q4_1: code * d + m
         w += tl.load(mins_ptr + cols64 * G + g, mask=col_ok, other=0.0)[:, None]
     return w.to(dtype)
