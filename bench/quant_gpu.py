@@ -8,7 +8,9 @@
    layer count (the step's linears without the head): bf16 cuBLAS (F.linear), fp8
    torch._scaled_mm with row-wise scales (activations pre-quantized, and with paged's per-token
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
-   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128). GB/s: weight bytes over time.
+   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128), and at one row the split-K int4 GEMV
+   (each shape on its fastest config of those the CUDA plugin times at start-up). GB/s: weight
+   bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -38,6 +40,33 @@ sys.path.insert(0, str(ROOT / "core"))
 # (name, N, K) of one Llama-3.1-8B layer's projections (q/k/v and gate/up stacked)
 LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 LAYERS = 32
+
+
+def int4_split_calls(weights: list[dict]):
+    """The one-row int4 linear on the split-K GEMV, each shape on its fastest config among the
+    ones paged_cuda.int4_select times at start-up (timed here on that one weight)."""
+    from triton.testing import do_bench_cudagraph
+
+    from paged.kernels.int4_gemv import int4_gemv_split
+    from paged_cuda.int4_select import candidates
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    best = {}
+    for w in weights:
+        n, k = w["codes"].shape[0], w["k"]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        timed = []
+        for c in candidates(n, k, sms):
+            def fn(c=c, x=x, w=w):
+                return int4_gemv_split(x, w["codes"], w["sc"], w["z"], 128, None, None, c,
+                                       counters)  # fmt: skip
+
+            timed.append((do_bench_cudagraph(fn, return_mode="median"), c))
+        ms, best[id(w)] = min(timed)
+        print(f"int4 split-K {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
+    return lambda w, a, aq: int4_gemv_split(a, w["codes"], w["sc"], w["z"], 128, None, None,
+                                            best[id(w)], counters)  # fmt: skip
 
 
 def gemm_bench(rows: list[int]) -> list[dict]:
@@ -79,6 +108,8 @@ def gemm_bench(rows: list[int]) -> list[dict]:
             "int4 Triton (group 128)": ("int4", layer(lambda w, a, aq: int4_linear(
                 a, w["codes"], w["sc"], w["z"], 128))),
         }  # fmt: skip
+        if m == 1:
+            variants["int4 split-K GEMV (best/shape)"] = ("int4", layer(int4_split_calls(weights)))
         if scaled_mm:
             from paged_cuda.fp8 import fp8_linear as cuda_fp8
 

@@ -165,6 +165,16 @@ def quantized_linears() -> None:
         # the fp8 decode GEMV split over K (paged_cuda.fp8_select), with a bias
         fp8_gemv_split(t(rows, k), w8, t(n, 1, dtype=torch.float32), t(n), config,
                        t(n, dtype=torch.int32))  # fmt: skip
+    from paged.kernels.int4_gemv import int4_gemv_split
+
+    for group, config in ((128, (16, 256, 1, 4)), (128, (8, 512, 4, 4)), (32, (16, 256, 2, 4))):
+        # the int4 decode GEMV split over K (paged_cuda.int4_select); GGUF's groups of 32 with
+        # mins: a scale per word
+        groups = k // group
+        int4_gemv_split(t(1, k), t(n, k // 8, dtype=torch.int32),
+                        t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,
+                        t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, config,
+                        t(n, dtype=torch.int32))  # fmt: skip
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
@@ -265,6 +275,11 @@ def decode_with_pdl() -> None:
 
     fp8_gemv_split(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), None,
                    (64, 128, 2, 4, 2), t(n, dtype=torch.int32))  # fmt: skip
+    from paged.kernels.int4_gemv import int4_gemv_split
+
+    int4_gemv_split(x, t(n, hidden // 8, dtype=torch.int32), t(n, 2, dtype=torch.float32),
+                    t(n, 2, dtype=torch.uint8), 128, None, None, (16, 128, 2, 4),
+                    t(n, dtype=torch.int32))  # fmt: skip
     moe_route(t(1, 128), 8, True, torch.bfloat16)
     fused_moe_from_logits(x, t(128, 2 * 128, hidden), t(128, hidden, 128), t(1, 128), 8, True,
                           torch.bfloat16, norm=(t(1, hidden), w, 1e-6))  # fmt: skip

@@ -62,24 +62,25 @@ def graph_time(calls: list[Callable[[], object]]) -> float:
 
 
 def choose(
-    shapes: dict[tuple[int, int], list],
+    shapes: dict[tuple, list],
     configs: Callable[[int, int], list],
     time_base: Callable[[list], float],
     time_config: Callable[[list, tuple], float],
-) -> dict[tuple[int, int], tuple[tuple, float, float]]:
-    """{(n, k): (config, its seconds, the baseline's seconds)} for the shapes where one of
-    `configs(n, k)` takes at most MARGIN of the baseline kernel's time. Timers are injected
-    (tests run without a GPU); a config that does not compile or run times as infinite. Shapes
-    with no candidate config (e.g. an LM head: enough output blocks already) are not timed."""
+) -> dict[tuple, tuple[tuple, float, float]]:
+    """{shape: (config, its seconds, the baseline's seconds)} for the shapes (keys starting
+    with the weight's (n, k)) where one of `configs(n, k)` takes at most MARGIN of the baseline
+    kernel's time. Timers are injected (tests run without a GPU); a config that does not
+    compile or run times as infinite. Shapes with no candidate config (e.g. an LM head: enough
+    output blocks already) are not timed."""
     chosen = {}
-    for (n, k), mods in shapes.items():
-        tries = configs(n, k)
+    for shape, mods in shapes.items():
+        tries = configs(*shape[:2])
         if not tries:
             continue
         base = time_base(mods)
         best, config = min((time_config(mods, c), c) for c in tries)
         if best <= MARGIN * base and math.isfinite(best):
-            chosen[(n, k)] = (config, best, base)
+            chosen[shape] = (config, best, base)
     return chosen
 
 

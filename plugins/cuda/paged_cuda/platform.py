@@ -26,9 +26,10 @@ class CudaPlatform(AcceleratorPlatform):
         PlatformOption(
             "cuda_tuned_gemv",
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
-            "where timing both at start-up finds it faster than cuBLAS, and fp8 linears of up "
-            "to four rows on the split-K fp8 GEMV where it beats the unsplit one; off: cuBLAS "
-            "and the unsplit fp8 GEMV always",
+            "where timing both at start-up finds it faster than cuBLAS, fp8 linears of up to "
+            "four rows on the split-K fp8 GEMV and one-row int4 linears (AWQ, GPTQ, GGUF Q4) "
+            "on the split-K int4 GEMV where they beat the unsplit ones; off: cuBLAS and the "
+            "unsplit fp8 and int4 GEMVs always",
             True,
         ),
         PlatformOption(
@@ -71,6 +72,9 @@ class CudaPlatform(AcceleratorPlatform):
             from paged_cuda.fp8_select import use_measured_fp8_gemv
 
             use_measured_fp8_gemv(model)
+            from paged_cuda.int4_select import use_measured_int4_gemv
+
+            use_measured_int4_gemv(model)
             self.empty_cache()  # the timing graphs' memory
 
     def ops(self):

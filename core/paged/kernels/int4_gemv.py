@@ -1,0 +1,185 @@
+"""The int4 decode GEMV split over K: one row times int4 weights (AWQ / GPTQ repacked, or a
+GGUF's Q4_0 / Q4_1 blocks), `int4_gemm.int4_linear`'s arithmetic on a grid of (output blocks,
+SPLIT slices of K).
+
+The unsplit `_int4_gemv` gives each program 32 outputs over the whole of K, 16 code words a
+column per step: for a 4096-wide projection that is 128 programs with 2 KB in flight each, far
+too little to cover the memory's latency (177 GB/s measured on an H200). Here a program loads
+a [BLOCK_N, BLOCK_K / 8] tile of code words at once (up to 256 contiguous bytes a column) over
+its slice of K, and the grid has SPLIT times more programs.
+
+A tile is dequantized nibble by nibble: the j-th nibble of every word is the column 8 w + j,
+so it multiplies the input's columns j, j + 8, ... (a strided load of the row, which stays in
+the cache); no reshape of the tile. Weights are (code - zero) * scale (+ min, GGUF Q4_1)
+rounded to the row's dtype, as the reference rounds them; products and sums in float32. The
+nibbles become floats by bit operations, not int-to-float conversions (which issue at an
+eighth of the FMA rate on Hopper and would bound the kernel). When BLOCK_K is wider than a
+group (GGUF's groups of 32) each word reads its own group's scale.
+
+Partial sums: as `gemv.gemv_split_k`, the last program of an output block (counted
+atomically) adds the SPLIT float32 partials in slice order, adds the bias and stores the block,
+then resets its counter, so one launch, graph-safe, the same sums whichever program is last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged.kernels import pdl
+
+Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps)
+
+
+@triton.jit
+def _int4_gemv_split_kernel(
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    N, KW, G, group_w, words_per_split, stride_c, HAS_BIAS: tl.constexpr,
+    HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, WK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_N outputs over one of SPLIT slices of the KW code words a row (K / 8), WK words
+    a step. Indices count words, so the compiler sees the rows' alignment (stride_c) and loads
+    16 bytes at a time. The first tile of code words is loaded before the PDL wait (`pdl`): no
+    kernel writes the weights."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    w_start = pid_s * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, KW)
+    words = _load_words(codes_ptr, cols64, col_ok, w_start, w_end, stride_c, WK)
+    pdl.enter(PDL)
+    acc = tl.zeros((BLOCK_N, WK), dtype=tl.float32)
+    acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_start, w_end,
+                G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS,
+                WK)  # fmt: skip
+    for w0 in range(w_start + WK, w_end, WK):
+        words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK)
+        acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end,
+                    G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS,
+                    WK)  # fmt: skip
+    total = tl.sum(acc, axis=1)
+    if SPLIT == 1:
+        _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
+    else:
+        part = part_ptr + cols64
+        tl.store(part + pid_s * N, total, mask=col_ok)
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+        if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:  # acq_rel: the partials visible
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part + s * N, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+            _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
+
+
+@triton.jit
+def _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK: tl.constexpr):
+    """The code words [BLOCK_N, WK] w0 .. w0 + WK (those before w_end) of the columns."""
+    w_idx = w0 + tl.arange(0, WK)
+    mask = col_ok[:, None] & (w_idx < w_end)[None, :]
+    return tl.load(codes_ptr + cols64[:, None] * stride_c + w_idx[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end, G, group_w,
+          acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
+          WK: tl.constexpr):  # fmt: skip
+    """acc + the tile's weights times the row: nibble j of word w is column 8 w + j.
+
+    A nibble becomes a float without an int-to-float conversion (a slow instruction): its bits
+    OR 0x4B000000 are the float 2^23 + code, and subtracting 2^23 + zero leaves code - zero
+    exactly, the reference's float32 difference; then times the scale in float32, + min, rounded
+    to `dtype`: the reference's bits."""
+    w_idx = w0 + tl.arange(0, WK)
+    w_ok = w_idx < w_end
+    if WORD_GROUPS:  # the tile spans groups: a scale (zero, min) per word
+        at = cols64[:, None] * G + (w_idx // group_w)[None, :]
+        ok = col_ok[:, None] & w_ok[None, :]
+        s = tl.load(scales_ptr + at, mask=ok, other=0.0)
+        z = tl.load(zeros_ptr + at, mask=ok, other=0)
+        m = tl.load(mins_ptr + at, mask=ok, other=0.0) if HAS_MIN else s
+    else:  # the tile lies in one group (WK divides group_w)
+        at = cols64 * G + w0 // group_w
+        s = tl.load(scales_ptr + at, mask=col_ok, other=0.0)[:, None]
+        z = tl.load(zeros_ptr + at, mask=col_ok, other=0)[:, None]
+        m = tl.load(mins_ptr + at, mask=col_ok, other=0.0)[:, None] if HAS_MIN else s
+    z = z.to(tl.float32) + 8388608.0  # 2^23 + zero
+    for j in tl.static_range(8):
+        bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
+        w = (bits.to(tl.float32, bitcast=True) - z) * s
+        if HAS_MIN:  # GGUF Q4_1: code * d + m
+            w += m
+        x = tl.load(x_ptr + w_idx * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+        acc += w.to(dtype).to(tl.float32) * x[None, :]
+    return acc
+
+
+@triton.jit
+def _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def split_counters(n: int, config: Config) -> int:
+    """How many int32 counters `int4_gemv_split` needs for a weight of n rows under `config`."""
+    return triton.cdiv(n, config[0])
+
+
+def int4_gemv_split(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_k: int,
+    bias: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    config: Config,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """The int4 linear of one row x [1, K] (codes int32 [N, K/8], scales / zeros / mins
+    [N, K/group_k]) with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps).
+    `counters`: int32 zeros, at least split_counters(); every launch leaves them zero again
+    (so the linears of a stream share them, and a CUDA graph can capture the launch)."""
+    m, k = x.shape
+    n, groups = scales.shape
+    assert m == 1 and x.stride(1) == 1 and k % 8 == 0
+    block_n, block_k, split, warps = config
+    assert block_k >= 16 and block_k & (block_k - 1) == 0 and codes.stride(1) == 1
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    assert split == 1 or counters.numel() >= split_counters(n, config)
+    _int4_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
+        x, codes, scales, zeros, mins if mins is not None else scales,
+        bias if bias is not None else out, out, part, counters, n, k // 8, groups,
+        group_k // 8, per // 8, codes.stride(0), HAS_BIAS=bias is not None,
+        HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, SPLIT=split, BLOCK_N=block_n,
+        WK=block_k // 8, num_warps=warps, **pdl.launch(),
+    )  # fmt: skip
+    return out
+
+
+class Int4SplitGemv:
+    """An int4 QuantLinear's forward on `int4_gemv_split` for one-row inputs (a measured
+    choice: the CUDA plugin's int4_select installs it per weight shape), the layer's own
+    forward otherwise."""
+
+    def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor) -> None:
+        self.mod, self.config, self.counters = mod, config, counters
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mod = self.mod
+        k = x.shape[-1]
+        if x.numel() != k:
+            return type(mod).forward(mod, x)
+        x2 = x.reshape(1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = int4_gemv_split(x2, mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,
+                            getattr(mod, "mins", None), self.config, self.counters)  # fmt: skip
+        return y.view(*x.shape[:-1], y.shape[-1])
