@@ -14,7 +14,7 @@
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
-   with `--gguf FILE|default` also that GGUF with its Q4 blocks kept 4-bit vs dense.
+   with `--gguf FILE|default` also that GGUF with its Q4 / Q8_0 blocks kept on the GPU vs dense.
 3. fp8 accuracy (the issue's floor): the default model in bf16 and with --quantization fp8,
    64 chats, 64 greedy tokens: tokens equal position by position (floor 90 %), identical
    outputs, and the fp8 engine's logprob of bf16's tokens against bf16's own (drift).
@@ -136,9 +136,9 @@ def paged_cmd(*args: object) -> list[str]:
 
 def engine_bench(args, variant: str, out: Path) -> dict:
     base = ["--model", args.model, "--load-format", "dummy", "--dtype", "bfloat16"]
-    if variant.startswith("gguf"):  # a real GGUF file: its Q4 blocks kept 4-bit, or dense
+    if variant.startswith("gguf"):  # a real GGUF file: its blocks kept 4- / 8-bit, or dense
         base = ["--model", args.gguf, "--dtype", "bfloat16"]
-        base += [] if variant == "gguf-int4" else ["--no-cuda-gguf-int4"]
+        base += [] if variant == "gguf-blocks" else ["--no-cuda-gguf-blocks"]
     elif variant != "none":
         base += ["--quantization", variant]
     base += shlex.split(args.engine_args)
@@ -182,7 +182,7 @@ def accuracy_child(model: str, variant: str, n: int, tokens: int, ref: str | Non
     quant = None if variant in ("none", "float32") else variant
     dtype = "float32" if variant == "float32" else "bfloat16"
     # bf16 is the dense model: a GGUF's blocks are not kept 4-bit / 8-bit on any platform
-    dense = {k: False for k in ("cuda_gguf_int4", "cpu_gguf_blocks") if k in platform_options()}
+    dense = {k: False for k in ("cuda_gguf_blocks", "cpu_gguf_blocks") if k in platform_options()}
     llm = LLM(model, dtype=dtype, quantization=quant, max_model_len=2048, **dense)
     greedy = SamplingParams(temperature=0, max_tokens=tokens)
     outs = llm.chat(chat_prompts(n), greedy, use_tqdm=False)
@@ -310,8 +310,8 @@ def main() -> int:
     a(
         "--gguf",
         default=None,
-        help="also a GGUF file with Q4_0/Q4_1 tensors: its 4-bit "
-        "blocks on the GPU (gguf-int4) vs dense (gguf-dense); 'default': the default model",
+        help="also a GGUF file with Q4_0/Q4_1/Q8_0 tensors: its "
+        "blocks on the GPU (gguf-blocks) vs dense (gguf-dense); 'default': the default model",
     )
     a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
     a("--timeout", type=float, default=900)
@@ -354,7 +354,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             variants = args.variants.split(",")
             if args.gguf:
-                variants += ["gguf-int4", "gguf-dense"]
+                variants += ["gguf-blocks", "gguf-dense"]
             for v in variants:
                 engine.append(engine_bench(args, v, Path(tmp)))
     text = report(gemms, engine, args, acc)

@@ -167,14 +167,15 @@ def quantized_linears() -> None:
                        t(n, dtype=torch.int32))  # fmt: skip
     from paged.kernels.int4_gemv import int4_gemv_split
 
-    for group, config in ((128, (16, 256, 1, 4)), (128, (8, 512, 4, 4)), (32, (16, 256, 2, 4))):
+    for group, config, bits in ((128, (16, 256, 1, 4), 4), (128, (8, 512, 4, 4), 4),
+                                (32, (16, 256, 2, 4), 4), (32, (16, 128, 2, 4), 8)):
         # the int4 decode GEMV split over K (paged_cuda.int4_select); GGUF's groups of 32 with
-        # mins: a scale per word
+        # mins: a scale per word; 8-bit codes (GGUF Q8_0)
         groups = k // group
-        int4_gemv_split(t(1, k), t(n, k // 8, dtype=torch.int32),
+        int4_gemv_split(t(1, k), t(n, k * bits // 32, dtype=torch.int32),
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,
                         t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, config,
-                        t(n, dtype=torch.int32))  # fmt: skip
+                        t(n, dtype=torch.int32), bits)  # fmt: skip
     for rows in (1, 64):  # the GEMV (decode) and the GEMM
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
@@ -185,6 +186,8 @@ def quantized_linears() -> None:
         int4_linear(x, t(n, k // 8, dtype=torch.int32), t(n, k // 32, dtype=torch.float32),
                     t(n, k // 32, dtype=torch.uint8), 32, t(n),
                     t(n, k // 32, dtype=torch.float32))  # GGUF Q4_1: mins  # fmt: skip
+        int4_linear(x, t(n, k // 4, dtype=torch.int32), t(n, k // 32, dtype=torch.float32),
+                    t(n, k // 32, dtype=torch.uint8), 32, None, None, 8)  # GGUF Q8_0
 
 
 def moe_and_lora() -> None:

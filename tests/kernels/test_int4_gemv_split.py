@@ -16,42 +16,45 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert (got.float() - want.float()).abs().max() <= tol * scale
 
 
-def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int):
+def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int = 4):
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group_k)
-    codes = ref.pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    codes = ref.pack_int4(torch.randint(0, 1 << bits, (n, k), generator=g), bits)
     scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
-    zeros = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=g).to(torch.uint8)
     mins = torch.randn(n, groups, generator=g) * 0.05 if with_mins else None
     return codes, scales, zeros, mins, g
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [(16, 64, 1, 4), (8, 128, 2, 4), (32, 32, 3, 4)])
-@pytest.mark.parametrize("n, k, group_k, with_mins, bias", [
-    (40, 256, 128, False, True),  # AWQ / GPTQ groups, a ragged last output block
-    (24, 320, 64, False, False),  # K not a whole number of tiles
-    (37, 192, 32, True, True),  # GGUF Q4_1: groups of 32 with mins, tiles wider than a group
+@pytest.mark.parametrize("n, k, group_k, with_mins, bias, bits", [
+    (40, 256, 128, False, True, 4),  # AWQ / GPTQ groups, a ragged last output block
+    (24, 320, 64, False, False, 4),  # K not a whole number of tiles
+    (37, 192, 32, True, True, 4),  # GGUF Q4_1: groups of 32 with mins, tiles wider than a group
+    (24, 160, 32, False, True, 8),  # GGUF Q8_0: 8-bit codes, (code - 128) * d
+    (19, 96, 32, True, False, 8),  # 8-bit codes with mins (a layer stacking Q8_0 and Q4_1)
 ])  # fmt: skip
 def test_split_int4_gemv_matches_reference_and_unsplit(device, dtype, config, n, k, group_k,
-                                                       with_mins, bias):  # fmt: skip
+                                                       with_mins, bias, bits):  # fmt: skip
     from paged.kernels.int4_gemm import int4_linear
     from paged.kernels.int4_gemv import int4_gemv_split, split_counters
 
-    codes, scales, zeros, mins, g = _weights(n, k, group_k, with_mins, n + k + config[2])
+    codes, scales, zeros, mins, g = _weights(n, k, group_k, with_mins, n + k + config[2], bits)
     x = torch.randn(1, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    want = ref.int4_linear(x, codes, scales, zeros, group_k, b, mins)
+    reference = ref.int4_linear if bits == 4 else ref.int8_linear
+    want = reference(x, codes, scales, zeros, group_k, b, mins)
     dev = [t.to(device) if t is not None else None for t in (x, codes, scales, zeros, b, mins)]
     xd, cd, sd, zd, bd, md = dev
     counters = torch.zeros(split_counters(n, config) + 3, dtype=torch.int32, device=device)
-    got = int4_gemv_split(xd, cd, sd, zd, group_k, bd, md, config, counters)
+    got = int4_gemv_split(xd, cd, sd, zd, group_k, bd, md, config, counters, bits)
     assert int(counters.abs().sum()) == 0
     tol = 2e-3 if dtype == torch.float32 else 3e-2
     _close(got.cpu(), want, tol)
-    unsplit = int4_linear(xd, cd, sd, zd, group_k, bd, md)
+    unsplit = int4_linear(xd, cd, sd, zd, group_k, bd, md, bits)
     _close(got.cpu(), unsplit.cpu(), 1e-5 if dtype == torch.float32 else 1e-2)
-    again = int4_gemv_split(xd, cd, sd, zd, group_k, bd, md, config, counters)
+    again = int4_gemv_split(xd, cd, sd, zd, group_k, bd, md, config, counters, bits)
     assert torch.equal(again, got) and int(counters.abs().sum()) == 0
 
 
@@ -80,20 +83,24 @@ def test_weights_round_to_the_row_dtype_before_the_product(device):
 
 
 def test_the_installed_forward_takes_one_row(device, monkeypatch):
-    """Int4SplitGemv on an AWQ-style QuantLinear and a GGUF one (mins): one-row inputs of any
-    leading shape go through the split kernel, more rows through the layer's own forward."""
+    """Int4SplitGemv on an AWQ-style QuantLinear and GGUF ones (4-bit with mins, 8-bit): one-row
+    inputs of any leading shape go through the split kernel, more rows through the layer's own
+    forward."""
     from paged.kernels import int4_gemv
     from paged.quantization.base import QuantLinear
-    from paged.quantization.gguf import GgufInt4Method
+    from paged.quantization.gguf import GgufIntMethod
     from paged.quantization.int4 import Int4Method
 
     calls = []
     real = int4_gemv.int4_gemv_split
     monkeypatch.setattr(int4_gemv, "int4_gemv_split", lambda *a: calls.append(1) or real(*a))
     counters = torch.zeros(8, dtype=torch.int32, device=device)
-    for method, group_k in ((Int4Method("awq", 32), 32), (GgufInt4Method(), 32)):
+    methods = (Int4Method("awq", 32), GgufIntMethod(4), GgufIntMethod(8, with_mins=False))
+    for method in methods:
+        group_k, bits = 32, getattr(method, "bits", 4)
         lin = QuantLinear(64, 24, True, method)
-        codes, scales, zeros, mins, g = _weights(24, 64, group_k, hasattr(lin, "mins"), 5)
+        assert int4_gemv.code_bits(lin) == bits
+        codes, scales, zeros, mins, g = _weights(24, 64, group_k, hasattr(lin, "mins"), 5, bits)
         with torch.no_grad():
             lin.codes.copy_(codes), lin.scales.copy_(scales), lin.zeros.copy_(zeros)
             lin.bias.normal_(generator=g)
@@ -105,7 +112,8 @@ def test_the_installed_forward_takes_one_row(device, monkeypatch):
         with torch.no_grad():
             for shape in ((1, 64), (1, 1, 64), (3, 64)):
                 x = torch.randn(*shape, generator=g)
-                want = ref.int4_linear(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
+                reference = ref.int4_linear if bits == 4 else ref.int8_linear
+                want = reference(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
                 _close(lin(x.to(device)).cpu(), want, 2e-3)
         assert calls == [1, 1]  # three rows: the layer's own forward
     assert int(counters.abs().sum()) == 0

@@ -17,14 +17,15 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 @pytest.mark.parametrize("n, k", [*LLAMA_8B, (1536, 576), (576, 1536), (128256, 4096)])
 @pytest.mark.parametrize("sms", [132, 84])
-def test_candidates_fill_the_gpu_with_whole_slices(n, k, sms):
-    got = int4_select.candidates(n, k, sms)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_candidates_fill_the_gpu_with_whole_slices(n, k, sms, bits):
+    got = int4_select.candidates(n, k, sms, bits)
     assert len(got) == len(set(got)) <= 24
     for block_n, block_k, split, warps in got:
         per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps
         assert sms <= triton.cdiv(n, block_n) * split <= 16 * sms and warps == 4
         assert per * (split - 1) < k  # no empty slice
-        assert block_n * block_k // 8 <= int4_select.MAX_TILE_WORDS
+        assert block_n * block_k * bits // 32 <= int4_select.MAX_TILE_WORDS
     if (n, k) in LLAMA_8B:
         assert got
     if n == 4096:  # o_proj, down: K split, the outputs alone fill the GPU too few times
@@ -32,21 +33,21 @@ def test_candidates_fill_the_gpu_with_whole_slices(n, k, sms):
 
 
 def test_choose_keeps_the_group_in_the_key():
-    """Shapes are keyed (n, k, group, mins): two groupings of one weight shape are timed and
-    chosen apart."""
-    shapes = {(4096, 4096, 128, False): ["awq"], (4096, 4096, 32, True): ["gguf"]}
+    """Shapes are keyed (n, k, group, mins, bits): two groupings of one weight shape are timed
+    and chosen apart."""
+    shapes = {(4096, 4096, 128, False, 4): ["awq"], (4096, 4096, 32, True, 4): ["gguf"]}
     got = int4_select.choose(shapes, lambda n, k: int4_select.candidates(n, k, 132),
                              lambda mods: 10e-6,
                              lambda mods, c: 4e-6 if mods == ["awq"] else 11e-6)  # fmt: skip
-    assert list(got) == [(4096, 4096, 128, False)]
+    assert list(got) == [(4096, 4096, 128, False, 4)]
 
 
 def test_only_int4_linears_on_the_gpu_are_timed(monkeypatch):
-    """AWQ/GPTQ and GGUF int4 QuantLinears by (n, k, group, mins); not fp8 ones, dense
-    linears, linears already given a forward, or (here, on CPU) any: they are not on a GPU."""
+    """AWQ/GPTQ and GGUF 4-/8-bit QuantLinears by (n, k, group, mins, bits); not fp8 ones,
+    dense linears, linears already given a forward, or (here, on CPU) any: not on a GPU."""
     from paged.quantization.base import QuantLinear
     from paged.quantization.fp8 import Fp8Method
-    from paged.quantization.gguf import GgufInt4Method
+    from paged.quantization.gguf import GgufIntMethod
     from paged.quantization.int4 import Int4Method
 
     class Model(nn.Module):
@@ -55,7 +56,8 @@ def test_only_int4_linears_on_the_gpu_are_timed(monkeypatch):
             self.a = QuantLinear(256, 32, False, Int4Method("awq", 128))
             self.b = QuantLinear(256, 32, True, Int4Method("gptq", 128))
             self.c = QuantLinear(256, 32, False, Int4Method("gptq", 64))
-            self.g = QuantLinear(256, 32, False, GgufInt4Method())
+            self.g = QuantLinear(256, 32, False, GgufIntMethod(4))
+            self.g8 = QuantLinear(256, 32, False, GgufIntMethod(8, with_mins=False))
             self.fp8 = QuantLinear(256, 32, False, Fp8Method())
             self.dense = nn.Linear(256, 32)
             self.done = QuantLinear(256, 32, False, Int4Method("awq", 128))
@@ -65,5 +67,6 @@ def test_only_int4_linears_on_the_gpu_are_timed(monkeypatch):
     assert int4_select.int4_linears(model) == {}  # CPU tensors
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     got = int4_select.int4_linears(model)
-    assert got == {(32, 256, 128, False): [model.a, model.b], (32, 256, 64, False): [model.c],
-                   (32, 256, 32, True): [model.g]}  # fmt: skip
+    assert got == {(32, 256, 128, False, 4): [model.a, model.b],
+                   (32, 256, 64, False, 4): [model.c], (32, 256, 32, True, 4): [model.g],
+                   (32, 256, 32, False, 8): [model.g8]}  # fmt: skip

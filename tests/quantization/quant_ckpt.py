@@ -208,9 +208,10 @@ def _permute(w, n_head: int):
     )
 
 
-def write_q4_gguf(hf_dir: str, out: str) -> str:
+def write_q4_gguf(hf_dir: str, out: str, q8: bool = False) -> str:
     """The HF Llama at `hf_dir` as a GGUF file: attention projections Q4_0, MLP ones Q4_1
-    (gguf-py's quantizers), the rest float32."""
+    (gguf-py's quantizers), the rest float32. `q8`: attention projections and the MLP's gate
+    Q8_0 instead (so the stacked gate/up mixes a Q8_0 and a Q4_1 piece)."""
     import gguf
     import numpy as np
 
@@ -244,11 +245,11 @@ def write_q4_gguf(hf_dir: str, out: str) -> str:
             a = _permute(a, c.num_key_value_heads)
         kind = None
         if parts[1] == "layers" and "norm" not in gname:
-            kind = (
-                gguf.GGMLQuantizationType.Q4_0
-                if "attn" in gname
-                else gguf.GGMLQuantizationType.Q4_1
-            )
+            q = gguf.GGMLQuantizationType
+            if q8 and ("attn" in gname or "ffn_gate" in gname):
+                kind = q.Q8_0
+            else:
+                kind = q.Q4_0 if "attn" in gname else q.Q4_1
         if kind is None:
             w.add_tensor(gname, a)
         else:

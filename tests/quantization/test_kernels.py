@@ -51,30 +51,39 @@ def test_fp8_linear_matches_reference(device, dtype, m, n, k, group_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, n, k, group_k, with_mins", [
-    (1, 40, 256, 128, False), (3, 64, 128, 32, True),  # GEMV; GGUF Q4_1's mins, groups of 32
-    (6, 24, 256, 128, False), (20, 72, 128, 64, False), (9, 32, 96, 32, True),
+@pytest.mark.parametrize("m, n, k, group_k, with_mins, bits", [
+    (1, 40, 256, 128, False, 4), (3, 64, 128, 32, True, 4),  # GEMV; GGUF Q4_1's groups of 32
+    (6, 24, 256, 128, False, 4), (20, 72, 128, 64, False, 4), (9, 32, 96, 32, True, 4),
+    (1, 40, 128, 32, False, 8), (2, 24, 96, 32, True, 8),  # 8-bit codes (GGUF Q8_0): GEMV
+    (17, 40, 160, 32, False, 8),  # and GEMM
 ])  # fmt: skip
-def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_mins):
+def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_mins, bits):
     from paged.kernels.int4_gemm import int4_linear
 
     g = torch.Generator().manual_seed(m + n + k)
-    codes = ref.pack_int4(torch.randint(0, 16, (n, k), generator=g))
+    top = 1 << bits
+    codes = ref.pack_int4(torch.randint(0, top, (n, k), generator=g), bits)
     scales = torch.rand(n, k // group_k, generator=g) * 0.02 + 0.001
-    zeros = torch.randint(0, 16, (n, k // group_k), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, top, (n, k // group_k), generator=g).to(torch.uint8)
     x = torch.randn(m, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
     mins = torch.randn(n, k // group_k, generator=g) * 0.05 if with_mins else None
-    want = ref.int4_linear(x, codes, scales, zeros, group_k, bias, mins)
+    reference = ref.int4_linear if bits == 4 else ref.int8_linear
+    want = reference(x, codes, scales, zeros, group_k, bias, mins)
     args = (codes, scales, zeros)
     got = int4_linear(x.to(device), *(a.to(device) for a in args), group_k, bias.to(device),
-                      None if mins is None else mins.to(device))  # fmt: skip
+                      None if mins is None else mins.to(device), bits)  # fmt: skip
     _close(got.cpu(), want, TOL[dtype])
 
 
-def test_int4_pack_roundtrip():
-    v = torch.randint(0, 16, (5, 64))
-    assert torch.equal(ref.unpack_int4(ref.pack_int4(v)).long(), v)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_pack_roundtrip(bits):
+    v = torch.randint(0, 1 << bits, (5, 64))
+    packed = ref.pack_int4(v, bits)
+    assert packed.shape == (5, 64 * bits // 32)
+    assert torch.equal(ref.unpack_int4(packed, bits).long(), v)
+    if bits == 8:  # column k is byte k % 4 of word k // 4 (little-endian bytes)
+        assert torch.equal(packed.view(torch.uint8).view(5, 64).long(), v)
 
 
 def test_empty_batch(device):

@@ -1,13 +1,15 @@
-"""Weight-only int4 linear layers (AWQ / GPTQ checkpoints, repacked at load): the weight's
-4-bit codes are dequantized in registers, (code - zero) * scale per group of input columns,
-rounded to the activation dtype as the torch reference does, and multiplied.
+"""Weight-only int4 linear layers (AWQ / GPTQ checkpoints, repacked at load; a GGUF's Q4
+blocks) and their 8-bit kin (a GGUF's Q8_0 blocks): the weight's codes are dequantized in
+registers, (code - zero) * scale per group of input columns, rounded to the activation dtype
+as the torch reference does, and multiplied.
 
-Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8), scales float32 and zeros
-uint8 [N, K/group]: one output channel's codes are contiguous, so a GEMV program streams its
-rows, one word split into its 8 nibbles in registers; a K step stays inside one group (one
-scale and zero per column). Few rows (decode): `_int4_gemv`, a BLOCK_N x BLOCK_K tile of
-weights times the row's inputs, reduced over K on the vector units. More rows: `_int4_gemm`,
-a tiled GEMM that dequantizes one weight tile per K step for tl.dot.
+Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, K/4], bits
+8*(k%4) of word k//4), scales float32 and zeros uint8 [N, K/group]: one output channel's codes
+are contiguous, so a GEMV program streams its rows, one word split into its codes in
+registers; a K step stays inside one group (one scale and zero per column). Few rows
+(decode): `_int4_gemv`, a BLOCK_N x BLOCK_K tile of weights times the row's inputs, reduced
+over K on the vector units. More rows: `_int4_gemm`, a tiled GEMM that dequantizes one weight
+tile per K step for tl.dot.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ GEMV_MAX_ROWS = 4
 
 @triton.jit
 def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0, G, KW,
-                  group_k, dtype: tl.constexpr, HAS_MIN: tl.constexpr,
+                  group_k, dtype: tl.constexpr, HAS_MIN: tl.constexpr, BITS: tl.constexpr,
                   BLOCK_K: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_K] weights (rounded to `dtype`) of columns `cols`, inputs
-    k0 .. k0 + BLOCK_K: each int32 word loaded once and split into its 8 nibbles; the tile
-    lies in one group (BLOCK_K divides group_k), so one scale and zero per column."""
-    words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    k0 .. k0 + BLOCK_K: each int32 word (KW a row) loaded once and split into its 32 / BITS
+    codes; the tile lies in one group (BLOCK_K divides group_k), so one scale and zero per
+    column."""
+    PER: tl.constexpr = 32 // BITS
+    words_k = k0 // PER + tl.arange(0, BLOCK_K // PER)
     mask = col_ok[:, None] & (words_k < KW)[None, :]
     words = tl.load(codes_ptr + cols64[:, None] * KW + words_k[None, :], mask=mask, other=0)
-    q = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) | 0x4B000000
+    shifts = (tl.arange(0, PER) * BITS)[None, None, :]
+    q = ((words[:, :, None] >> shifts) & ((1 << BITS) - 1)) | 0x4B000000
     q = tl.reshape(q, (q.shape[0], BLOCK_K)).to(tl.float32, bitcast=True)  # 2^23 + code
     g = k0 // group_k
     s = tl.load(scales_ptr + cols64 * G + g, mask=col_ok, other=0.0)
@@ -44,7 +49,7 @@ def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0
 def _int4_gemv(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, y_ptr,
     N, K, G, group_k, stride_x, stride_y,
-    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -52,13 +57,13 @@ def _int4_gemv(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols64 = cols.to(tl.int64)
-    KW = K // 8
+    KW = K * BITS // 32
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
         w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0, G, KW,
-                          group_k, y_ptr.dtype.element_ty, HAS_MIN, BLOCK_K)  # fmt: skip
+                          group_k, y_ptr.dtype.element_ty, HAS_MIN, BITS, BLOCK_K)  # fmt: skip
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -69,7 +74,7 @@ def _int4_gemv(
 def _int4_gemm(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, y_ptr,
     M, N, K, G, group_k, stride_x, stride_y,
-    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, UPCAST: tl.constexpr, BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -78,14 +83,14 @@ def _int4_gemm(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     rows64, cols64 = rows.to(tl.int64), cols.to(tl.int64)
-    KW = K // 8
+    KW = K * BITS // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :],
                     mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)  # fmt: skip
         w = tl.trans(_dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok,
-                                   k0, G, KW, group_k, y_ptr.dtype.element_ty, HAS_MIN,
+                                   k0, G, KW, group_k, y_ptr.dtype.element_ty, HAS_MIN, BITS,
                                    BLOCK_K))  # fmt: skip
         if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -105,8 +110,10 @@ def int4_linear(
     group_k: int,
     bias: torch.Tensor | None = None,
     mins: torch.Tensor | None = None,
+    bits: int = 4,
 ) -> torch.Tensor:
-    """The `int4_linear` op on the device: x [..., K] -> [..., N] in x's dtype."""
+    """The `int4_linear` op on the device (`bits` 8: `int8_linear`): x [..., K] -> [..., N] in
+    x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -117,15 +124,15 @@ def int4_linear(
     if m == 0:
         return y.view(*shape[:-1], n)
     if group_k < 16 or group_k & (group_k - 1):
-        raise ValueError(f"int4: group of {group_k} columns is not a power of 2 >= 16")
+        raise ValueError(f"int{bits}: group of {group_k} columns is not a power of 2 >= 16")
     b = bias if bias is not None else y
     mn = mins if mins is not None else scales
     if m <= GEMV_MAX_ROWS:
         bn, bk = 32, min(group_k, 128, max(16, triton.next_power_of_2(k)))
         _int4_gemv[(triton.cdiv(n, bn), m)](
             x2, codes, scales, zeros, mn, b, y, n, k, groups, group_k, x2.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, HAS_MIN=mins is not None, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=4,
+            HAS_BIAS=bias is not None, HAS_MIN=mins is not None, BITS=bits, BLOCK_N=bn,
+            BLOCK_K=bk, num_warps=4,
         )  # fmt: skip
     else:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -136,6 +143,6 @@ def int4_linear(
         _int4_gemm[grid](
             x2, codes, scales, zeros, mn, b, y, m, n, k, groups, group_k, x2.stride(0),
             y.stride(0), HAS_BIAS=bias is not None, HAS_MIN=mins is not None, UPCAST=upcast,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+            BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         )  # fmt: skip
     return y.view(*shape[:-1], n)

@@ -1,20 +1,20 @@
 """The int4 decode GEMV split over K: one row times int4 weights (AWQ / GPTQ repacked, or a
-GGUF's Q4_0 / Q4_1 blocks), `int4_gemm.int4_linear`'s arithmetic on a grid of (output blocks,
-SPLIT slices of K).
+GGUF's Q4_0 / Q4_1 blocks) or 8-bit ones (a GGUF's Q8_0 blocks), `int4_gemm.int4_linear`'s
+arithmetic on a grid of (output blocks, SPLIT slices of K).
 
 The unsplit `_int4_gemv` gives each program 32 outputs over the whole of K, 16 code words a
 column per step: for a 4096-wide projection that is 128 programs with 2 KB in flight each, far
 too little to cover the memory's latency (177 GB/s measured on an H200). Here a program loads
-a [BLOCK_N, BLOCK_K / 8] tile of code words at once (up to 256 contiguous bytes a column) over
-its slice of K, and the grid has SPLIT times more programs.
+a [BLOCK_N, BLOCK_K / 8] tile of code words at once (BLOCK_K / 4 with 8-bit codes; up to 256
+contiguous bytes a column) over its slice of K, and the grid has SPLIT times more programs.
 
-A tile is dequantized nibble by nibble: the j-th nibble of every word is the column 8 w + j,
-so it multiplies the input's columns j, j + 8, ... (a strided load of the row, which stays in
-the cache); no reshape of the tile. Weights are (code - zero) * scale (+ min, GGUF Q4_1)
-rounded to the row's dtype, as the reference rounds them; products and sums in float32. The
-nibbles become floats by bit operations, not int-to-float conversions (which issue at an
-eighth of the FMA rate on Hopper and would bound the kernel). When BLOCK_K is wider than a
-group (GGUF's groups of 32) each word reads its own group's scale.
+A tile is dequantized code by code: the j-th nibble of every word is the column 8 w + j (the
+j-th byte: 4 w + j), so it multiplies the input's columns j, j + 8, ... (a strided load of the
+row, which stays in the cache); no reshape of the tile. Weights are (code - zero) * scale
+(+ min, GGUF Q4_1) rounded to the row's dtype, as the reference rounds them; products and
+sums in float32. The codes become floats by bit operations, not int-to-float conversions
+(which issue at an eighth of the FMA rate on Hopper and would bound the kernel). When BLOCK_K
+is wider than a group (GGUF's groups of 32) each word reads its own group's scale.
 
 Partial sums: as `gemv.gemv_split_k`, the last program of an output block (counted
 atomically) adds the SPLIT float32 partials in slice order, adds the bias and stores the block,
@@ -36,10 +36,10 @@ Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps)
 def _int4_gemv_split_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     N, KW, G, group_w, words_per_split, stride_c, HAS_BIAS: tl.constexpr,
-    HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, WK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_N outputs over one of SPLIT slices of the KW code words a row (K / 8), WK words
+    """BLOCK_N outputs over one of SPLIT slices of the KW code words a row (K BITS / 32), WK words
     a step. Indices count words, so the compiler sees the rows' alignment (stride_c) and loads
     16 bytes at a time. The first tile of code words is loaded before the PDL wait (`pdl`): no
     kernel writes the weights."""
@@ -54,12 +54,12 @@ def _int4_gemv_split_kernel(
     pdl.enter(PDL)
     acc = tl.zeros((BLOCK_N, WK), dtype=tl.float32)
     acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_start, w_end,
-                G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS,
+                G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS,
                 WK)  # fmt: skip
     for w0 in range(w_start + WK, w_end, WK):
         words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK)
         acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end,
-                    G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS,
+                    G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS,
                     WK)  # fmt: skip
     total = tl.sum(acc, axis=1)
     if SPLIT == 1:
@@ -87,10 +87,10 @@ def _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK: tl.constexpr
 @triton.jit
 def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end, G, group_w,
           acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
-          WK: tl.constexpr):  # fmt: skip
-    """acc + the tile's weights times the row: nibble j of word w is column 8 w + j.
+          BITS: tl.constexpr, WK: tl.constexpr):  # fmt: skip
+    """acc + the tile's weights times the row: code j of word w is column PER w + j.
 
-    A nibble becomes a float without an int-to-float conversion (a slow instruction): its bits
+    A code becomes a float without an int-to-float conversion (a slow instruction): its bits
     OR 0x4B000000 are the float 2^23 + code, and subtracting 2^23 + zero leaves code - zero
     exactly, the reference's float32 difference; then times the scale in float32, + min, rounded
     to `dtype`: the reference's bits."""
@@ -107,13 +107,14 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
         s = tl.load(scales_ptr + at, mask=col_ok, other=0.0)[:, None]
         z = tl.load(zeros_ptr + at, mask=col_ok, other=0)[:, None]
         m = tl.load(mins_ptr + at, mask=col_ok, other=0.0)[:, None] if HAS_MIN else s
+    PER: tl.constexpr = 32 // BITS  # codes a word
     z = z.to(tl.float32) + 8388608.0  # 2^23 + zero
-    for j in tl.static_range(8):
-        bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
+    for j in tl.static_range(PER):
+        bits = ((words >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
         w = (bits.to(tl.float32, bitcast=True) - z) * s
         if HAS_MIN:  # GGUF Q4_1: code * d + m
             w += m
-        x = tl.load(x_ptr + w_idx * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + w_idx * PER + j, mask=w_ok, other=0.0).to(tl.float32)
         acc += w.to(dtype).to(tl.float32) * x[None, :]
     return acc
 
@@ -140,14 +141,17 @@ def int4_gemv_split(
     mins: torch.Tensor | None,
     config: Config,
     counters: torch.Tensor,
+    bits: int = 4,
 ) -> torch.Tensor:
-    """The int4 linear of one row x [1, K] (codes int32 [N, K/8], scales / zeros / mins
-    [N, K/group_k]) with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps).
+    """The int4 linear of one row x [1, K] (codes int32 [N, K/8], or [N, K/4] with `bits` 8;
+    scales / zeros / mins [N, K/group_k]) with K split over `config`'s (BLOCK_N, BLOCK_K,
+    SPLIT, warps).
     `counters`: int32 zeros, at least split_counters(); every launch leaves them zero again
     (so the linears of a stream share them, and a CUDA graph can capture the launch)."""
     m, k = x.shape
     n, groups = scales.shape
-    assert m == 1 and x.stride(1) == 1 and k % 8 == 0
+    per_word = 32 // bits
+    assert m == 1 and x.stride(1) == 1 and codes.shape[1] * per_word == k
     block_n, block_k, split, warps = config
     assert block_k >= 16 and block_k & (block_k - 1) == 0 and codes.stride(1) == 1
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -156,12 +160,17 @@ def int4_gemv_split(
     assert split == 1 or counters.numel() >= split_counters(n, config)
     _int4_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
         x, codes, scales, zeros, mins if mins is not None else scales,
-        bias if bias is not None else out, out, part, counters, n, k // 8, groups,
-        group_k // 8, per // 8, codes.stride(0), HAS_BIAS=bias is not None,
-        HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, SPLIT=split, BLOCK_N=block_n,
-        WK=block_k // 8, num_warps=warps, **pdl.launch(),
+        bias if bias is not None else out, out, part, counters, n, k // per_word, groups,
+        group_k // per_word, per // per_word, codes.stride(0), HAS_BIAS=bias is not None,
+        HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split,
+        BLOCK_N=block_n, WK=block_k // per_word, num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return out
+
+
+def code_bits(mod: torch.nn.Module) -> int:
+    """4 or 8: the bits of an int4-family QuantLinear's codes (int32 words [N, K bits / 32])."""
+    return 32 * mod.codes.shape[1] // mod.in_features
 
 
 class Int4SplitGemv:
@@ -181,5 +190,6 @@ class Int4SplitGemv:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = int4_gemv_split(x2, mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,
-                            getattr(mod, "mins", None), self.config, self.counters)  # fmt: skip
+                            getattr(mod, "mins", None), self.config, self.counters,
+                            code_bits(mod))  # fmt: skip
         return y.view(*x.shape[:-1], y.shape[-1])

@@ -110,6 +110,12 @@ def _int4_linear(x, codes, scales, zeros, group_k, bias=None, mins=None):
     return int4_linear(x, codes, scales, zeros, group_k, bias, mins)
 
 
+def _int8_linear(x, codes, scales, zeros, group_k, bias=None, mins=None):
+    from paged.kernels.int4_gemm import int4_linear
+
+    return int4_linear(x, codes, scales, zeros, group_k, bias, mins, bits=8)
+
+
 def triton_fused_ops() -> dict[str, Callable]:
     """{op name: Triton kernel} for `Platform.ops()`; empty (the torch defaults) without triton."""
     if find_spec("triton") is None:
@@ -139,6 +145,7 @@ def triton_fused_ops() -> dict[str, Callable]:
         # saves (bench/moe_kernel.py --inline-routing).
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,
+        "int8_linear": _int8_linear,
         "lora_shrink": kernels.lora_shrink,
         "lora_expand": kernels.lora_expand,
         "apply_token_bitmask": kernels.apply_token_bitmask,  # structured outputs' mask

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from paged.quantization.reference import fp8_linear, int4_linear
+from paged.quantization.reference import fp8_linear, int4_linear, int8_linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -261,7 +261,8 @@ _DEFAULTS: dict[str, Callable] = {
     "fused_moe": fused_moe,  # mixture-of-experts MLP (paged.model.moe)
     "fused_moe_from_logits": fused_moe_from_logits,  # the two above in one op
     "fp8_linear": fp8_linear,  # quantized linears (paged.quantization): fp8 weights
-    "int4_linear": int4_linear,  # AWQ / GPTQ int4 weights
+    "int4_linear": int4_linear,  # AWQ / GPTQ int4 weights, a GGUF's Q4 blocks
+    "int8_linear": int8_linear,  # a GGUF's Q8_0 blocks (int4_linear's layout, 8-bit codes)
     "lora_shrink": lora_shrink,  # multi-LoRA (paged.lora.layers)
     "lora_expand": lora_expand,
 }

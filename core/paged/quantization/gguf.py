@@ -1,9 +1,11 @@
-"""A GGUF's 4-bit tensors kept quantized on the device: Q4_0 / Q4_1 blocks of 32 as the int4
-layout of the AWQ/GPTQ kernels (codes [N, K/8], a scale, zero and min per block: Q4_0 is
-(code - 8) * d, Q4_1 code * d + m, the file's own arithmetic), computed by `int4_linear`.
+"""A GGUF's block tensors kept quantized on the device: Q4_0 / Q4_1 / Q8_0 blocks of 32 as the
+int4 layout of the AWQ/GPTQ kernels (codes in int32 words, a scale, zero and maybe min per
+block: Q4_0 is (code - 8) * d, Q4_1 code * d + m, Q8_0 (code - 128) * d with code = q + 128:
+the file's own arithmetic), computed by `int4_linear`, or `int8_linear` for 8-bit codes (the
+same kernels).
 
-The engine loads a GGUF's weights dequantized; a platform calls `use_gguf_int4` from
-`prepare_model` to put these layers in place of the dense ones (the cuda plugin does). Q8_0
+The engine loads a GGUF's weights dequantized; a platform calls `use_gguf_blocks` from
+`prepare_model` to put these layers in place of the dense ones (the cuda plugin does). K-quant
 and other types stay dense."""
 
 from __future__ import annotations
@@ -22,39 +24,51 @@ log = logging.getLogger("paged")
 BLOCK = 32
 
 
-class GgufInt4Method(QuantMethod):
-    name = "gguf-int4"
+class GgufIntMethod(QuantMethod):
+    """A GGUF's blocks of 32 as `bits`-bit codes (4: Q4_0 / Q4_1; 8: Q8_0, or pieces of both
+    stacked in one layer), with a float32 min per block where the file has one (Q4_1)."""
+
     suffixes = frozenset()  # built from the file's blocks, not the weight loader
+
+    def __init__(self, bits: int = 4, with_mins: bool = True) -> None:
+        self.bits, self.with_mins = bits, with_mins
+        self.name = f"gguf-int{bits}"
 
     def create_weights(self, layer: QuantLinear) -> None:
         n, k = layer.out_features, layer.in_features
         layer.group_k = BLOCK
-        layer.add("codes", (n, k // 8), torch.int32)
+        layer.add("codes", (n, k * self.bits // 32), torch.int32)
         layer.add("scales", (n, k // BLOCK), torch.float32)
         layer.add("zeros", (n, k // BLOCK), torch.uint8)
-        layer.add("mins", (n, k // BLOCK), torch.float32)
+        if self.with_mins:
+            layer.add("mins", (n, k // BLOCK), torch.float32)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        return ops.get("int4_linear")(x, layer.codes, layer.scales, layer.zeros, BLOCK,
-                                      layer.bias, layer.mins)  # fmt: skip
+        return ops.get(f"int{self.bits}_linear")(x, layer.codes, layer.scales, layer.zeros,
+                                                 BLOCK, layer.bias,
+                                                 getattr(layer, "mins", None))  # fmt: skip
 
 
-def int4_layer(
+def block_layer(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
 ) -> QuantLinear | None:
     """The layer of one (maybe stacked) GGUF tensor in iter_gguf_blocks' form (weight =
-    code * d + m), on d's device; None unless every code fits in 4 bits (Q4_0 / Q4_1)."""
+    code * d + m, unsigned codes), on d's device: 4-bit codes where every code fits, else
+    8-bit. Where every block's m is -8 d (Q4_0) or -128 d (Q8_0) the layer keeps the file's
+    (code - zero) * d and no mins; otherwise code * d + m. None if K is not whole blocks."""
     n, k = codes.shape
-    if k % BLOCK or int(codes.max()) > 15:
+    if k % BLOCK:
         return None
-    layer = QuantLinear(k, n, bias is not None, GgufInt4Method())
-    q4_0 = torch.equal(m, -8.0 * d)  # Q4_0's m is -8 d exactly: keep its (code - 8) * d
+    bits = 4 if int(codes.max()) <= 15 else 8
+    zero = next((z for z in (8, 128) if torch.equal(m, -float(z) * d)), 0)
+    layer = QuantLinear(k, n, bias is not None, GgufIntMethod(bits, with_mins=zero == 0))
     with torch.no_grad():
         layer.to(d.device)
-        layer.codes.copy_(pack_int4(codes))
+        layer.codes.copy_(pack_int4(codes, bits))
         layer.scales.copy_(d)
-        layer.zeros.fill_(8 if q4_0 else 0)
-        layer.mins.copy_(torch.zeros_like(m) if q4_0 else m)
+        layer.zeros.fill_(zero)
+        if zero == 0:
+            layer.mins.copy_(m)
         if bias is not None:
             layer.bias.data = bias.detach().clone()  # the model's dtype
     return layer
@@ -103,22 +117,22 @@ def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
 
 
-def use_gguf_int4(model: nn.Module, source, hf_config) -> int:
-    """Replace each dense linear layer of `model` whose every piece is a Q4_0/Q4_1 tensor of
-    the GGUF model `source` by an int4 layer (stacked q/k/v and gate/up rows concatenated).
-    Returns how many were replaced."""
+def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
+    """Replace each dense linear layer of `model` whose every piece is a Q4_0 / Q4_1 / Q8_0
+    tensor of the GGUF model `source` by a layer of its blocks (stacked q/k/v and gate/up rows
+    concatenated). Returns how many were replaced."""
     dev = next(model.parameters()).device
-    count = 0
+    count = {4: 0, 8: 0}
     # not the tied head, nor a layer already quantized
     for target, mod, codes, d, m in gguf_linear_blocks(
         model, source, hf_config, lambda mod: type(mod) is nn.Linear
     ):
         if codes.shape != mod.weight.shape:
             continue  # a stacked layer with a piece in another format
-        layer = int4_layer(codes.to(dev), d.to(dev), m.to(dev), mod.bias)
+        layer = block_layer(codes.to(dev), d.to(dev), m.to(dev), mod.bias)
         if layer is None:
             continue
         replace_module(model, target, layer)
-        count += 1
-    log.info("%d linear layers keep the GGUF's 4-bit blocks (int4 kernels)", count)
-    return count
+        count[layer.method.bits] += 1
+    log.info("linear layers keeping the GGUF's blocks: %d 4-bit, %d 8-bit", count[4], count[8])
+    return count[4] + count[8]

@@ -1,17 +1,21 @@
 """Torch reference arithmetic of the quantized linears: what every kernel computes.
 
-The default ops of `paged.model.ops` ("fp8_linear", "int4_linear") call these, so CPU runs
-them; the Triton kernels of `paged.kernels` and a platform's own (e.g. `torch._scaled_mm` in
-the cuda plugin) are tested against them.
+The default ops of `paged.model.ops` ("fp8_linear", "int4_linear", "int8_linear") call these,
+so CPU runs them; the Triton kernels of `paged.kernels` and a platform's own (e.g.
+`torch._scaled_mm` in the cuda plugin) are tested against them.
 
 Layouts (output channels first, so stacked and tensor-parallel shards narrow like dense
 weights): fp8: weight float8_e4m3fn [N, K] with float32 scales [N, G] over groups of
 `group_k` input columns (G = 1: per output channel). int4: codes int32 [N, K/8] (column k is
 bits 4*(k%8) of word k//8), float32 scales and uint8 zeros [N, K/group_k]; the weight is
-(code - zero) * scale, plus a float32 min per group where given (GGUF Q4_1).
+(code - zero) * scale, plus a float32 min per group where given (GGUF Q4_1). int8 (GGUF Q8_0
+and 8-bit blocks): the same with unsigned 8-bit codes, codes int32 [N, K/4] (column k is bits
+8*(k%4) of word k//4).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -66,17 +70,19 @@ def fp8_linear(
     return y.to(x.dtype).view(*shape[:-1], weight.shape[0])
 
 
-def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """int32 [N, K/8] -> int32 codes [N, K] (column k from bits 4*(k%8) of word k//8)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
-    return ((codes[..., None] >> shifts) & 0xF).flatten(-2)
+def unpack_int4(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [N, K*bits/32] -> int32 codes [N, K] (column k from bits `bits`*(k%per) of word
+    k//per, per = 32 / bits codes a word; bits 4 or 8)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=codes.device)
+    return ((codes[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """uint8/int codes [N, K] in 0..15 -> int32 [N, K/8] (the inverse of unpack_int4)."""
+def pack_int4(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """uint8/int codes [N, K] in 0 .. 2^bits - 1 -> int32 [N, K*bits/32] (the inverse of
+    unpack_int4)."""
     n, k = values.shape
-    v = values.to(torch.int64).view(n, k // 8, 8)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
+    v = values.to(torch.int64).view(n, k * bits // 32, 32 // bits)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
     packed = (v << shifts).sum(-1)
     return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
 
@@ -87,10 +93,11 @@ def dequantize_int4(
     zeros: torch.Tensor,
     group_k: int,
     mins: torch.Tensor | None = None,
+    bits: int = 4,
 ) -> torch.Tensor:
     """float32 [N, K]: (code - zero) * scale (+ min: GGUF Q4_1's offset) per group of
     `group_k` input columns."""
-    q = _grouped(unpack_int4(codes).float(), zeros.float(), group_k, torch.sub)
+    q = _grouped(unpack_int4(codes, bits).float(), zeros.float(), group_k, torch.sub)
     w = _grouped(q, scales.float(), group_k, torch.mul)
     return w if mins is None else _grouped(w, mins.float(), group_k, torch.add)
 
@@ -103,7 +110,12 @@ def int4_linear(
     group_k: int,
     bias: torch.Tensor | None = None,
     mins: torch.Tensor | None = None,
+    bits: int = 4,
 ) -> torch.Tensor:
-    """y = x @ W^T + b with W dequantized to x's dtype (weight-only int4)."""
-    w = dequantize_int4(codes, scales, zeros, group_k, mins).to(x.dtype)
+    """y = x @ W^T + b with W dequantized to x's dtype (weight-only int4; `bits` 8: 8-bit
+    codes, int32 words [N, K/4])."""
+    w = dequantize_int4(codes, scales, zeros, group_k, mins, bits).to(x.dtype)
     return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+int8_linear = functools.partial(int4_linear, bits=8)  # the int8_linear op (GGUF Q8_0 blocks)

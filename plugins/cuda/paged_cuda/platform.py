@@ -18,16 +18,16 @@ class CudaPlatform(AcceleratorPlatform):
     dist_backend = "nccl"
     options = (
         PlatformOption(
-            "cuda_gguf_int4",
-            "a GGUF model's Q4_0/Q4_1 linears kept as 4-bit blocks on the GPU (the int4 Triton "
-            "kernels); off: dense weights in the model dtype",
+            "cuda_gguf_blocks",
+            "a GGUF model's Q4_0/Q4_1/Q8_0 linears kept as 4-/8-bit blocks on the GPU (the "
+            "int4 Triton kernels); off: dense weights in the model dtype",
             True,
         ),
         PlatformOption(
             "cuda_tuned_gemv",
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
             "where timing both at start-up finds it faster than cuBLAS, fp8 linears of up to "
-            "four rows on the split-K fp8 GEMV and one-row int4 linears (AWQ, GPTQ, GGUF Q4) "
+            "four rows on the split-K fp8 GEMV and one-row int4 linears (AWQ, GPTQ, GGUF blocks) "
             "on the split-K int4 GEMV where they beat the unsplit ones; off: cuBLAS and the "
             "unsplit fp8 and int4 GEMVs always",
             True,
@@ -60,10 +60,10 @@ class CudaPlatform(AcceleratorPlatform):
 
         pdl.enable(self.option("cuda_pdl") and torch.cuda.get_device_capability()[0] >= 9)
         gguf = source is not None and source.kind == "gguf"
-        if gguf and config.world_size == 1 and self.option("cuda_gguf_int4"):
-            from paged.quantization.gguf import use_gguf_int4
+        if gguf and config.world_size == 1 and self.option("cuda_gguf_blocks"):
+            from paged.quantization.gguf import use_gguf_blocks
 
-            use_gguf_int4(model, source, model.config)
+            use_gguf_blocks(model, source, model.config)
             self.empty_cache()  # the dense weights just replaced
         if self.option("cuda_tuned_gemv"):
             from paged_cuda.gemv_select import use_measured_gemv

@@ -1,0 +1,62 @@
+"""A GGUF's Q4_0 / Q4_1 / Q8_0 layers kept as 4- and 8-bit blocks (paged.quantization.gguf,
+what the cuda plugin's prepare_model does), on CPU: greedy output token-identical to the dense
+load of the same file in float32, through the torch reference and through the Triton int4
+kernels (interpreted)."""
+
+from __future__ import annotations
+
+import pytest
+from quant_ckpt import write_q4_gguf
+
+from paged import LLM, SamplingParams
+from paged.quantization import QuantLinear
+
+
+def _platform(triton: bool):
+    from paged_cpu.platform import CpuPlatform
+
+    class GgufBlocksOnCpu(CpuPlatform):
+        name = "gguf-blocks-on-cpu"
+
+        def prepare_model(self, model, config, source=None) -> None:
+            from paged.quantization.gguf import use_gguf_blocks
+
+            self.replaced = use_gguf_blocks(model, source, model.config)
+
+        def ops(self):
+            if not triton:
+                return super().ops()
+            from paged.kernels.ops import triton_fused_ops
+
+            table = triton_fused_ops()
+            return {k: table[k] for k in ("int4_linear", "int8_linear")}
+
+    return GgufBlocksOnCpu()
+
+
+@pytest.fixture(scope="module", params=["q4", "q8"])
+def gguf_file(request, tiny_models, tmp_path_factory) -> tuple[str, str]:
+    out = str(tmp_path_factory.mktemp("gguf") / "t.gguf")
+    return request.param, write_q4_gguf(tiny_models["llama"], out, q8=request.param == "q8")
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, triton):
+    kind, path = gguf_file
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
+    prompt = list(range(5, 60, 4))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    dense = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    platform = _platform(triton)
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
+    llm = LLM(path, **kw)
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert platform.replaced == len(layers) == 8  # qkv, o, gate_up, down x 2
+    got = {(m.method.bits, hasattr(m, "mins"), int(m.zeros.max())) for m in layers}
+    if kind == "q4":  # Q4_0 attention: (code - 8) * d; Q4_1 MLP: code * d + m
+        assert got == {(4, False, 8), (4, True, 0)}
+    else:  # Q8_0 attention: (code - 128) * d; gate (Q8_0) / up (Q4_1): 8-bit codes with mins
+        assert got == {(8, False, 128), (8, True, 0), (4, True, 0)}
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
