@@ -8,9 +8,9 @@
    layer count (the step's linears without the head): bf16 cuBLAS (F.linear), fp8
    torch._scaled_mm with row-wise scales (activations pre-quantized, and with paged's per-token
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
-   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128), and at one row the split-K int4 GEMV
-   (each shape on its fastest config of those the CUDA plugin times at start-up). GB/s: weight
-   bytes over time.
+   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128) and the same kernels on GGUF Q8_0's
+   8-bit layout, and at one row the split-K int4 / int8 GEMVs (each shape on its fastest
+   config of those the CUDA plugin times at start-up). GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -42,9 +42,10 @@ LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("dow
 LAYERS = 32
 
 
-def int4_split_calls(weights: list[dict]):
-    """The one-row int4 linear on the split-K GEMV, each shape on its fastest config among the
-    ones paged_cuda.int4_select times at start-up (timed here on that one weight)."""
+def int4_split_calls(weights: list[dict], bits: int = 4):
+    """The one-row int4 (`bits` 8: GGUF Q8_0's int8) linear on the split-K GEMV, each shape on
+    its fastest config among the ones paged_cuda.int4_select times at start-up (timed here on
+    that one weight)."""
     from triton.testing import do_bench_cudagraph
 
     from paged.kernels.int4_gemv import int4_gemv_split
@@ -52,21 +53,21 @@ def int4_split_calls(weights: list[dict]):
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    key, group = ("codes", 128) if bits == 4 else ("codes8", 32)
     best = {}
-    for w in weights:
-        n, k = w["codes"].shape[0], w["k"]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        timed = []
-        for c in candidates(n, k, sms):
-            def fn(c=c, x=x, w=w):
-                return int4_gemv_split(x, w["codes"], w["sc"], w["z"], 128, None, None, c,
-                                       counters)  # fmt: skip
 
-            timed.append((do_bench_cudagraph(fn, return_mode="median"), c))
+    def call(w, a, config):
+        sc, z = (w["sc"], w["z"]) if bits == 4 else (w["sc8"], w["z8"])
+        return int4_gemv_split(a, w[key], sc, z, group, None, None, config, counters, bits)
+
+    for w in weights:
+        n, k = w[key].shape[0], w["k"]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        timed = [(do_bench_cudagraph(lambda c=c, x=x, w=w: call(w, x, c), return_mode="median"),
+                  c) for c in candidates(n, k, sms, bits)]  # fmt: skip
         ms, best[id(w)] = min(timed)
-        print(f"int4 split-K {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
-    return lambda w, a, aq: int4_gemv_split(a, w["codes"], w["sc"], w["z"], 128, None, None,
-                                            best[id(w)], counters)  # fmt: skip
+        print(f"int{bits} split-K {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
+    return lambda w, a, aq: call(w, a, best[id(w)])
 
 
 def gemm_bench(rows: list[int]) -> list[dict]:
@@ -85,10 +86,16 @@ def gemm_bench(rows: list[int]) -> list[dict]:
         codes = pack_int4(torch.randint(0, 16, (n, k), device=dev, generator=gen))
         sc = torch.rand(n, k // 128, device=dev, generator=gen) * 0.004 + 0.002
         z = torch.full((n, k // 128), 8, dtype=torch.uint8, device=dev)
-        weights.append(dict(w=w, q=q, s=s, codes=codes, sc=sc, z=z, k=k))
+        # GGUF Q8_0's layout: 8-bit codes, a scale per 32 columns, (code - 128) * d
+        codes8 = pack_int4(torch.randint(0, 256, (n, k), device=dev, generator=gen), 8)
+        sc8 = torch.rand(n, k // 32, device=dev, generator=gen) * 0.0003 + 0.0001
+        z8 = torch.full((n, k // 32), 128, dtype=torch.uint8, device=dev)
+        weights.append(dict(w=w, q=q, s=s, codes=codes, sc=sc, z=z, codes8=codes8, sc8=sc8,
+                            z8=z8, k=k))  # fmt: skip
     layer_bytes = {"bf16": sum(2 * n * k for _, n, k in LAYER)}
     layer_bytes["fp8"] = layer_bytes["bf16"] // 2
     layer_bytes["int4"] = sum(n * k // 2 + n * (k // 128) * 5 for _, n, k in LAYER)
+    layer_bytes["int8"] = sum(n * k + n * (k // 32) * 5 for _, n, k in LAYER)
     scaled_mm = hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)
     out = []
     for m in rows:
@@ -107,9 +114,13 @@ def gemm_bench(rows: list[int]) -> list[dict]:
                 aq[0], aq[1], w["q"], w["s"], w["k"], None, bf16))),
             "int4 Triton (group 128)": ("int4", layer(lambda w, a, aq: int4_linear(
                 a, w["codes"], w["sc"], w["z"], 128))),
+            "int8 Triton (GGUF Q8_0)": ("int8", layer(lambda w, a, aq: int4_linear(
+                a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8))),
         }  # fmt: skip
         if m == 1:
             variants["int4 split-K GEMV (best/shape)"] = ("int4", layer(int4_split_calls(weights)))
+            variants["int8 split-K GEMV (best/shape)"] = ("int8",
+                                                          layer(int4_split_calls(weights, 8)))
         if scaled_mm:
             from paged_cuda.fp8 import fp8_linear as cuda_fp8
 
