@@ -41,7 +41,9 @@ def stages_for(block_n: int, block_k: int, steps: int, smem: int) -> int:
 def candidates(n: int, k: int, sms: int, smem: int) -> list[Config]:
     """(BLOCK_N, BLOCK_K, SPLIT, warps, stages) to try for weight [n, k] on a GPU of `sms`
     SMs with `smem` bytes of shared memory a block: K split so that the programs fill the
-    SMs about one to four times over, each slice at least two BLOCK_K steps and none empty."""
+    SMs about one to four times over, no slice empty. A slice of one BLOCK_K step is a
+    program whose every weight load is issued before it waits for its input (PDL) and reads
+    the rows' absmax: nothing of the weight waits behind that prologue."""
     out = []
     for block_n in (32, 64, 128):
         blocks = triton.cdiv(n, block_n)
@@ -50,7 +52,7 @@ def candidates(n: int, k: int, sms: int, smem: int) -> list[Config]:
                 continue
             for block_k in (256, 512):
                 per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-                if per < 2 * block_k or per * (split - 1) >= k:
+                if per < block_k or per * (split - 1) >= k:
                     continue
                 stages = stages_for(block_n, block_k, per // block_k, smem)
                 out.append((block_n, block_k, split, 4, stages))
