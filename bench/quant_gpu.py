@@ -1,16 +1,18 @@
 """Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
-        [--gemm-rows 1,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
+        [--gemm-rows 1,16,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
    layer count (the step's linears without the head): bf16 cuBLAS (F.linear), fp8
    torch._scaled_mm with row-wise scales (activations pre-quantized, and with paged's per-token
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
-   Triton int4 GEMV/GEMM (AWQ/GPTQ layout, group 128) and the same kernels on GGUF Q8_0's
-   8-bit layout, and at one row the split-K int4 / int8 GEMVs (each shape on its fastest
-   config of those the CUDA plugin times at start-up). GB/s: weight bytes over time.
+   int4_linear (AWQ/GPTQ layout, group 128: the Triton GEMV up to 4 rows, the tiled GEMM up
+   to 15, the weight dequantized + cuBLAS from 16) and the same on GGUF Q8_0's 8-bit layout,
+   the tiled int4 GEMM at every row count above 4, and at one row the split-K int4 / int8
+   GEMVs (each shape on its fastest config of those the CUDA plugin times at start-up). GB/s:
+   weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -70,6 +72,17 @@ def int4_split_calls(weights: list[dict], bits: int = 4):
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
+def tiled_int4(*args):
+    """int4_linear on its tiled Triton GEMM at any row count (no whole-weight dequantization)."""
+    from paged.kernels import int4_gemm
+
+    saved, int4_gemm.DEQUANT_MIN_ROWS = int4_gemm.DEQUANT_MIN_ROWS, 1 << 30
+    try:
+        return int4_gemm.int4_linear(*args)
+    finally:
+        int4_gemm.DEQUANT_MIN_ROWS = saved
+
+
 def gemm_bench(rows: list[int]) -> list[dict]:
     from triton.testing import do_bench_cudagraph
 
@@ -112,11 +125,14 @@ def gemm_bench(rows: list[int]) -> list[dict]:
                                                                              w["k"]))),
             "fp8 Triton GEMM only": ("fp8", layer(lambda w, a, aq: fp8_gemm(
                 aq[0], aq[1], w["q"], w["s"], w["k"], None, bf16))),
-            "int4 Triton (group 128)": ("int4", layer(lambda w, a, aq: int4_linear(
+            "int4_linear (group 128)": ("int4", layer(lambda w, a, aq: int4_linear(
                 a, w["codes"], w["sc"], w["z"], 128))),
-            "int8 Triton (GGUF Q8_0)": ("int8", layer(lambda w, a, aq: int4_linear(
+            "int8_linear (GGUF Q8_0)": ("int8", layer(lambda w, a, aq: int4_linear(
                 a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8))),
         }  # fmt: skip
+        if m > 4:  # the tiled GEMM, where int4_linear would dequantize the weight instead
+            variants["int4 tiled GEMM"] = ("int4", layer(lambda w, a, aq: tiled_int4(
+                a, w["codes"], w["sc"], w["z"], 128)))  # fmt: skip
         if m == 1:
             variants["int4 split-K GEMV (best/shape)"] = ("int4", layer(int4_split_calls(weights)))
             variants["int8 split-K GEMV (best/shape)"] = ("int8",
@@ -309,7 +325,7 @@ def main() -> int:
     a = ap.add_argument
     a("--model", default="llama-3.1-8b", help="a named shape (dummy weights)")
     a("--variants", default="none,fp8,awq", help="--quantization values; none = bf16")
-    a("--gemm-rows", default="1,64,256")
+    a("--gemm-rows", default="1,16,64,256")
     a("--skip-gemm", action="store_true")
     a("--skip-engine", action="store_true")
     a("--lat-input", type=int, default=128)

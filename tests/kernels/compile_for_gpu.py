@@ -176,7 +176,7 @@ def quantized_linears() -> None:
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,
                         t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, config,
                         t(n, dtype=torch.int32), bits)  # fmt: skip
-    for rows in (1, 64):  # the GEMV (decode) and the GEMM
+    for rows in (1, 8, 64):  # the GEMV (decode), the GEMM, the weight dequantized (int4)
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
         fp8_linear(x, w8, t(n, k // 128, dtype=torch.float32), 128, t(n))  # blocks, bias

@@ -54,8 +54,8 @@ def test_fp8_linear_matches_reference(device, dtype, m, n, k, group_k):
 @pytest.mark.parametrize("m, n, k, group_k, with_mins, bits", [
     (1, 40, 256, 128, False, 4), (3, 64, 128, 32, True, 4),  # GEMV; GGUF Q4_1's groups of 32
     (6, 24, 256, 128, False, 4), (20, 72, 128, 64, False, 4), (9, 32, 96, 32, True, 4),
-    (1, 40, 128, 32, False, 8), (2, 24, 96, 32, True, 8),  # 8-bit codes (GGUF Q8_0): GEMV
-    (17, 40, 160, 32, False, 8),  # and GEMM
+    (1, 40, 128, 32, False, 8), (2, 24, 96, 32, True, 8),  # 8-bit codes (GGUF Q8_0): GEMV,
+    (6, 24, 64, 32, True, 8), (17, 40, 160, 32, False, 8),  # GEMM, dequantized + F.linear
 ])  # fmt: skip
 def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_mins, bits):
     from paged.kernels.int4_gemm import int4_linear
@@ -74,6 +74,25 @@ def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_min
     got = int4_linear(x.to(device), *(a.to(device) for a in args), group_k, bias.to(device),
                       None if mins is None else mins.to(device), bits)  # fmt: skip
     _close(got.cpu(), want, TOL[dtype])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("with_mins", [False, True])
+def test_dequantize_gives_the_reference_weights(device, bits, with_mins):
+    """The many-row path's weight (int4_gemm.dequantize): the reference's float32 values
+    exactly, ragged tiles (N not a multiple of 32, K not of 128)."""
+    from paged.kernels.int4_gemm import dequantize
+
+    n, k, group_k = 37, 160, 32
+    g = torch.Generator().manual_seed(bits)
+    codes = ref.pack_int4(torch.randint(0, 1 << bits, (n, k), generator=g), bits)
+    scales = torch.rand(n, k // group_k, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 1 << bits, (n, k // group_k), generator=g).to(torch.uint8)
+    mins = torch.randn(n, k // group_k, generator=g) if with_mins else None
+    want = ref.dequantize_int4(codes, scales, zeros, group_k, mins, bits)
+    dev = [None if t is None else t.to(device) for t in (codes, scales, zeros, mins)]
+    got = dequantize(*dev[:3], group_k, dev[3], bits, torch.float32)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

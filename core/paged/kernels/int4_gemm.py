@@ -8,8 +8,12 @@ Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, 
 are contiguous, so a GEMV program streams its rows, one word split into its codes in
 registers; a K step stays inside one group (one scale and zero per column). Few rows
 (decode): `_int4_gemv`, a BLOCK_N x BLOCK_K tile of weights times the row's inputs, reduced
-over K on the vector units. More rows: `_int4_gemm`, a tiled GEMM that dequantizes one weight
-tile per K step for tl.dot.
+over K on the vector units. Up to DEQUANT_MIN_ROWS: `_int4_gemm`, a tiled GEMM that
+dequantizes one weight tile per K step for tl.dot. More rows: the weight dequantized whole by
+`_dequant_kernel` (the reference's values), then the platform's GEMM (F.linear), as vLLM does
+for AWQ batches: measured on an H200 (Llama-3.1-8B's projections), the tiled GEMM took 20.5 ms
+a step at 64 rows and 40.6 ms at 256 against cuBLAS's 4.0 / 6.3 ms in bf16, while the
+dequantization reads half a byte and writes two a weight (about 4.5 ms a step at 4 TB/s).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import triton
 import triton.language as tl
 
 GEMV_MAX_ROWS = 4
+DEQUANT_MIN_ROWS = 16  # from here: the weight dequantized, then F.linear
 
 
 @triton.jit
@@ -102,6 +107,44 @@ def _int4_gemm(
              acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
+@triton.jit
+def _dequant_kernel(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, w_ptr, N, K, G, group_k,
+                    HAS_MIN: tl.constexpr, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """w [N, K] in w's dtype: one [BLOCK_N, BLOCK_K] tile (inside one group) a program."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    w = _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0, G,
+                      K * BITS // 32, group_k, w_ptr.dtype.element_ty, HAS_MIN, BITS,
+                      BLOCK_K)  # fmt: skip
+    ks = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + cols64[:, None] * K + ks[None, :], w,
+             mask=col_ok[:, None] & (ks < K)[None, :])  # fmt: skip
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_k: int,
+    mins: torch.Tensor | None,
+    bits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight [N, K] in `dtype`: reference.dequantize_int4(...).to(dtype)'s values."""
+    n, groups = scales.shape
+    k = codes.shape[1] * 32 // bits
+    w = torch.empty(n, k, dtype=dtype, device=codes.device)
+    bn, bk = 32, min(group_k, 128)
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        codes, scales, zeros, mins if mins is not None else scales, w, n, k, groups, group_k,
+        HAS_MIN=mins is not None, BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+    )  # fmt: skip
+    return w
+
+
 def int4_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -120,11 +163,15 @@ def int4_linear(
         x2 = x2.contiguous()
     m, k = x2.shape
     n, groups = scales.shape
+    if group_k < 16 or group_k & (group_k - 1):
+        raise ValueError(f"int{bits}: group of {group_k} columns is not a power of 2 >= 16")
+    if m >= DEQUANT_MIN_ROWS:
+        w = dequantize(codes, scales, zeros, group_k, mins, bits, x.dtype)
+        b = None if bias is None else bias.to(x.dtype)
+        return torch.nn.functional.linear(x2, w, b).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*shape[:-1], n)
-    if group_k < 16 or group_k & (group_k - 1):
-        raise ValueError(f"int{bits}: group of {group_k} columns is not a power of 2 >= 16")
     b = bias if bias is not None else y
     mn = mins if mins is not None else scales
     if m <= GEMV_MAX_ROWS:
