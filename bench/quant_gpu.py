@@ -1,7 +1,7 @@
 """Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
-        [--gemm-rows 1,16,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
+        [--gemm-rows 1,8,16,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
@@ -325,7 +325,7 @@ def main() -> int:
     a = ap.add_argument
     a("--model", default="llama-3.1-8b", help="a named shape (dummy weights)")
     a("--variants", default="none,fp8,awq", help="--quantization values; none = bf16")
-    a("--gemm-rows", default="1,16,64,256")
+    a("--gemm-rows", default="1,8,16,64,256")
     a("--skip-gemm", action="store_true")
     a("--skip-engine", action="store_true")
     a("--lat-input", type=int, default=128)
