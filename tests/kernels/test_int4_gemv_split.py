@@ -35,19 +35,20 @@ def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int
     (24, 160, 32, False, True, 8),  # GGUF Q8_0: 8-bit codes, (code - 128) * d
     (19, 96, 32, True, False, 8),  # 8-bit codes with mins (a layer stacking Q8_0 and Q4_1)
 ])  # fmt: skip
+@pytest.mark.parametrize("m", [1, 3])
 def test_split_int4_gemv_matches_reference_and_unsplit(device, dtype, config, n, k, group_k,
-                                                       with_mins, bias, bits):  # fmt: skip
+                                                       with_mins, bias, bits, m):  # fmt: skip
     from paged.kernels.int4_gemm import int4_linear
     from paged.kernels.int4_gemv import int4_gemv_split, split_counters
 
     codes, scales, zeros, mins, g = _weights(n, k, group_k, with_mins, n + k + config[2], bits)
-    x = torch.randn(1, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     reference = ref.int4_linear if bits == 4 else ref.int8_linear
     want = reference(x, codes, scales, zeros, group_k, b, mins)
     dev = [t.to(device) if t is not None else None for t in (x, codes, scales, zeros, b, mins)]
     xd, cd, sd, zd, bd, md = dev
-    counters = torch.zeros(split_counters(n, config) + 3, dtype=torch.int32, device=device)
+    counters = torch.zeros(split_counters(n, config, m) + 3, dtype=torch.int32, device=device)
     got = int4_gemv_split(xd, cd, sd, zd, group_k, bd, md, config, counters, bits)
     assert int(counters.abs().sum()) == 0
     tol = 2e-3 if dtype == torch.float32 else 3e-2
@@ -82,10 +83,10 @@ def test_weights_round_to_the_row_dtype_before_the_product(device):
                                                               group_k))  # fmt: skip
 
 
-def test_the_installed_forward_takes_one_row(device, monkeypatch):
-    """Int4SplitGemv on an AWQ-style QuantLinear and GGUF ones (4-bit with mins, 8-bit): one-row
-    inputs of any leading shape go through the split kernel, more rows through the layer's own
-    forward."""
+def test_the_installed_forward_takes_up_to_four_rows(device, monkeypatch):
+    """Int4SplitGemv on an AWQ-style QuantLinear and GGUF ones (4-bit with mins, 8-bit): inputs
+    of up to four rows, of any leading shape, go through the split kernel, more rows through
+    the layer's own forward."""
     from paged.kernels import int4_gemv
     from paged.quantization.base import QuantLinear
     from paged.quantization.gguf import GgufIntMethod
@@ -94,7 +95,7 @@ def test_the_installed_forward_takes_one_row(device, monkeypatch):
     calls = []
     real = int4_gemv.int4_gemv_split
     monkeypatch.setattr(int4_gemv, "int4_gemv_split", lambda *a: calls.append(1) or real(*a))
-    counters = torch.zeros(8, dtype=torch.int32, device=device)
+    counters = torch.zeros(12, dtype=torch.int32, device=device)  # 3 output blocks x 4 rows
     methods = (Int4Method("awq", 32), GgufIntMethod(4), GgufIntMethod(8, with_mins=False))
     for method in methods:
         group_k, bits = 32, getattr(method, "bits", 4)
@@ -110,10 +111,10 @@ def test_the_installed_forward_takes_one_row(device, monkeypatch):
         lin.forward = int4_gemv.Int4SplitGemv(lin, (8, 64, 2, 4), counters)
         calls.clear()
         with torch.no_grad():
-            for shape in ((1, 64), (1, 1, 64), (3, 64)):
+            for shape in ((1, 64), (1, 1, 64), (2, 2, 64), (5, 64)):
                 x = torch.randn(*shape, generator=g)
                 reference = ref.int4_linear if bits == 4 else ref.int8_linear
                 want = reference(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
                 _close(lin(x.to(device)).cpu(), want, 2e-3)
-        assert calls == [1, 1]  # three rows: the layer's own forward
+        assert calls == [1, 1, 1]  # five rows: the layer's own forward
     assert int(counters.abs().sum()) == 0

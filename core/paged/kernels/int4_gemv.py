@@ -1,6 +1,6 @@
-"""The int4 decode GEMV split over K: one row times int4 weights (AWQ / GPTQ repacked, or a
-GGUF's Q4_0 / Q4_1 blocks) or 8-bit ones (a GGUF's Q8_0 blocks), `int4_gemm.int4_linear`'s
-arithmetic on a grid of (output blocks, SPLIT slices of K).
+"""The int4 decode GEMV split over K: up to 4 rows times int4 weights (AWQ / GPTQ repacked, or
+a GGUF's Q4_0 / Q4_1 blocks) or 8-bit ones (a GGUF's Q8_0 blocks), `int4_gemm.int4_linear`'s
+arithmetic on a grid of (rows, output blocks, SPLIT slices of K).
 
 The unsplit `_int4_gemv` gives each program 32 outputs over the whole of K, 16 code words a
 column per step: for a 4096-wide projection that is 128 programs with 2 KB in flight each, far
@@ -35,16 +35,21 @@ Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps)
 @triton.jit
 def _int4_gemv_split_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    N, KW, G, group_w, words_per_split, stride_c, HAS_BIAS: tl.constexpr,
+    N, KW, G, group_w, words_per_split, stride_c, stride_x, stride_o, HAS_BIAS: tl.constexpr,
     HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, WK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_N outputs over one of SPLIT slices of the KW code words a row (K BITS / 32), WK words
-    a step. Indices count words, so the compiler sees the rows' alignment (stride_c) and loads
-    16 bytes at a time. The first tile of code words is loaded before the PDL wait (`pdl`): no
-    kernel writes the weights."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    """One input row's BLOCK_N outputs over one of SPLIT slices of the KW code words a weight
+    row (K BITS / 32), WK words a step. The rows are the grid's fastest axis, so the programs
+    of one weight tile run side by side and all but the first read it from the cache. Indices
+    count words, so the compiler sees the rows' alignment (stride_c) and loads 16 bytes at a
+    time. The first tile of code words is loaded before the PDL wait (`pdl`): no kernel writes
+    the weights."""
+    row = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    x_ptr += row * stride_x
+    out_ptr += row * stride_o
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     cols64 = cols.to(tl.int64)
@@ -65,14 +70,15 @@ def _int4_gemv_split_kernel(
     if SPLIT == 1:
         _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
     else:
-        part = part_ptr + cols64
+        part = part_ptr + row * SPLIT * N + cols64
         tl.store(part + pid_s * N, total, mask=col_ok)
+        slot = row * tl.num_programs(1) + pid_n
         tl.debug_barrier()  # every thread's partial stored before the ticket (release)
-        if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:  # acq_rel: the partials visible
+        if tl.atomic_add(count_ptr + slot, 1) == SPLIT - 1:  # acq_rel: the partials visible
             total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 total += tl.load(part + s * N, mask=col_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid_n, 0)
+            tl.atomic_xchg(count_ptr + slot, 0)
             _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
 
 
@@ -126,9 +132,13 @@ def _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def split_counters(n: int, config: Config) -> int:
-    """How many int32 counters `int4_gemv_split` needs for a weight of n rows under `config`."""
-    return triton.cdiv(n, config[0])
+MAX_ROWS = 4  # input rows a launch takes
+
+
+def split_counters(n: int, config: Config, rows: int = MAX_ROWS) -> int:
+    """How many int32 counters `int4_gemv_split` needs for a weight of n rows under `config`,
+    for inputs of up to `rows` rows."""
+    return rows * triton.cdiv(n, config[0])
 
 
 def int4_gemv_split(
@@ -143,25 +153,28 @@ def int4_gemv_split(
     counters: torch.Tensor,
     bits: int = 4,
 ) -> torch.Tensor:
-    """The int4 linear of one row x [1, K] (codes int32 [N, K/8], or [N, K/4] with `bits` 8;
-    scales / zeros / mins [N, K/group_k]) with K split over `config`'s (BLOCK_N, BLOCK_K,
+    """The int4 linear of x [M, K], M <= MAX_ROWS (codes int32 [N, K/8], or [N, K/4] with `bits`
+    8; scales / zeros / mins [N, K/group_k]) with K split over `config`'s (BLOCK_N, BLOCK_K,
     SPLIT, warps).
     `counters`: int32 zeros, at least split_counters(); every launch leaves them zero again
     (so the linears of a stream share them, and a CUDA graph can capture the launch)."""
     m, k = x.shape
     n, groups = scales.shape
     per_word = 32 // bits
-    assert m == 1 and x.stride(1) == 1 and codes.shape[1] * per_word == k
+    assert m <= MAX_ROWS and x.stride(1) == 1 and codes.shape[1] * per_word == k
     block_n, block_k, split, warps = config
     assert block_k >= 16 and block_k & (block_k - 1) == 0 and codes.stride(1) == 1
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    part = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    assert split == 1 or counters.numel() >= split_counters(n, config)
-    _int4_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
+    part = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    assert split == 1 or counters.numel() >= split_counters(n, config, m)
+    _int4_gemv_split_kernel[(m, triton.cdiv(n, block_n), split)](
         x, codes, scales, zeros, mins if mins is not None else scales,
         bias if bias is not None else out, out, part, counters, n, k // per_word, groups,
-        group_k // per_word, per // per_word, codes.stride(0), HAS_BIAS=bias is not None,
+        group_k // per_word, per // per_word, codes.stride(0), x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
         HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split,
         BLOCK_N=block_n, WK=block_k // per_word, num_warps=warps, **pdl.launch(),
     )  # fmt: skip
@@ -174,9 +187,9 @@ def code_bits(mod: torch.nn.Module) -> int:
 
 
 class Int4SplitGemv:
-    """An int4 QuantLinear's forward on `int4_gemv_split` for one-row inputs (a measured
-    choice: the CUDA plugin's int4_select installs it per weight shape), the layer's own
-    forward otherwise."""
+    """An int4 QuantLinear's forward on `int4_gemv_split` for inputs of up to MAX_ROWS rows (a
+    measured choice at one row: the CUDA plugin's int4_select installs it per weight shape),
+    the layer's own forward otherwise."""
 
     def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor) -> None:
         self.mod, self.config, self.counters = mod, config, counters
@@ -184,9 +197,9 @@ class Int4SplitGemv:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mod = self.mod
         k = x.shape[-1]
-        if x.numel() != k:
+        if x.numel() > MAX_ROWS * k:
             return type(mod).forward(mod, x)
-        x2 = x.reshape(1, k)
+        x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         y = int4_gemv_split(x2, mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,

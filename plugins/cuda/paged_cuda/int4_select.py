@@ -7,7 +7,8 @@ projections). At start-up, for each int4 weight shape among the model's linears,
 kernel and the split-K int4 GEMV (paged.kernels.int4_gemv) under a few configurations are timed
 at one row, each in a CUDA graph over every weight of that shape (so they come from HBM, as in
 a decode step); a shape whose best split config beats the unsplit kernel by
-gemv_select.MARGIN runs it for one-row inputs. A shape is (n, k, group, with mins, code bits).
+gemv_select.MARGIN runs it for inputs of up to four rows (the unsplit kernel's range). A shape
+is (n, k, group, with mins, code bits).
 """
 
 from __future__ import annotations

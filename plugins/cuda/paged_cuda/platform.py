@@ -27,7 +27,7 @@ class CudaPlatform(AcceleratorPlatform):
             "cuda_tuned_gemv",
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
             "where timing both at start-up finds it faster than cuBLAS, fp8 linears of up to "
-            "four rows on the split-K fp8 GEMV and one-row int4 linears (AWQ, GPTQ, GGUF blocks) "
+            "four rows on the split-K fp8 GEMV and int4 linears (AWQ, GPTQ, GGUF blocks) likewise "
             "on the split-K int4 GEMV where they beat the unsplit ones; off: cuBLAS and the "
             "unsplit fp8 and int4 GEMVs always",
             True,
