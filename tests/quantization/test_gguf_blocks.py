@@ -60,3 +60,28 @@ def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, trit
     else:  # Q8_0 attention: (code - 128) * d; gate (Q8_0) / up (Q4_1): 8-bit codes with mins
         assert got == {(8, False, 128), (8, True, 0), (4, True, 0)}
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
+
+
+def test_on_the_gpu_blocks_match_the_dense_load(gguf_file):
+    """The cuda platform's own path (what `paged serve x.gguf` runs on a GPU): its blocks kept
+    4- / 8-bit through the Triton kernels, the split-K GEMV where start-up timing takes it,
+    against --no-cuda-gguf-blocks. Runs where a GPU is (TRITON_INTERPRET=0)."""
+    import os
+
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device and TRITON_INTERPRET=0")
+    kind, path = gguf_file
+    kw = dict(dtype="float32", gpu_memory_utilization=0.2, max_model_len=256)
+    prompts = [list(range(5, 60, 4)), list(range(7, 300, 3))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    got = {}
+    for blocks in (False, True):
+        llm = LLM(path, cuda_gguf_blocks=blocks, **kw)
+        n = sum(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules())
+        assert n == (8 if blocks else 0)
+        got[blocks] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]  # fmt: skip
+        del llm
+    assert got[True] == got[False]
