@@ -176,6 +176,10 @@ def quantized_linears() -> None:
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,
                         t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, config,
                         t(n, dtype=torch.int32), bits)  # fmt: skip
+    # ragged (masked loads): 200 outputs in blocks of 16
+    int4_gemv_split(t(1, k), t(200, k // 8, dtype=torch.int32), t(200, 4, dtype=torch.float32),
+                    t(200, 4, dtype=torch.uint8), 128, None, None, (16, 128, 2, 4),
+                    t(200, dtype=torch.int32))  # fmt: skip
     for rows in (1, 8, 64):  # the GEMV (decode), the GEMM, the weight dequantized (int4)
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel

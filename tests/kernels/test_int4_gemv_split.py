@@ -30,6 +30,7 @@ def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int
 @pytest.mark.parametrize("config", [(16, 64, 1, 4), (8, 128, 2, 4), (32, 32, 3, 4)])
 @pytest.mark.parametrize("n, k, group_k, with_mins, bias, bits", [
     (40, 256, 128, False, True, 4),  # AWQ / GPTQ groups, a ragged last output block
+    (32, 256, 128, False, False, 4),  # whole tiles everywhere (no masked load) but SPLIT 3
     (24, 320, 64, False, False, 4),  # K not a whole number of tiles
     (37, 192, 32, True, True, 4),  # GGUF Q4_1: groups of 32 with mins, tiles wider than a group
     (24, 160, 32, False, True, 8),  # GGUF Q8_0: 8-bit codes, (code - 128) * d

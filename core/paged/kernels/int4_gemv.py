@@ -37,14 +37,14 @@ def _int4_gemv_split_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     N, KW, G, group_w, words_per_split, stride_c, stride_x, stride_o, HAS_BIAS: tl.constexpr,
     HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, WK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One input row's BLOCK_N outputs over one of SPLIT slices of the KW code words a weight
     row (K BITS / 32), WK words a step. The rows are the grid's fastest axis, so the programs
     of one weight tile run side by side and all but the first read it from the cache. Indices
     count words, so the compiler sees the rows' alignment (stride_c) and loads 16 bytes at a
     time. The first tile of code words is loaded before the PDL wait (`pdl`): no kernel writes
-    the weights."""
+    the weights. EVEN: whole tiles everywhere (N, K and every slice), so no load is masked."""
     row = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -55,17 +55,17 @@ def _int4_gemv_split_kernel(
     cols64 = cols.to(tl.int64)
     w_start = pid_s * words_per_split
     w_end = tl.minimum(w_start + words_per_split, KW)
-    words = _load_words(codes_ptr, cols64, col_ok, w_start, w_end, stride_c, WK)
+    words = _load_words(codes_ptr, cols64, col_ok, w_start, w_end, stride_c, WK, EVEN)
     pdl.enter(PDL)
     acc = tl.zeros((BLOCK_N, WK), dtype=tl.float32)
     acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_start, w_end,
-                G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS,
-                WK)  # fmt: skip
+                G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS, WK,
+                EVEN)  # fmt: skip
     for w0 in range(w_start + WK, w_end, WK):
-        words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK)
+        words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK, EVEN)
         acc = _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end,
-                    G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS,
-                    WK)  # fmt: skip
+                    G, group_w, acc, out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS, WK,
+                    EVEN)  # fmt: skip
     total = tl.sum(acc, axis=1)
     if SPLIT == 1:
         _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
@@ -83,25 +83,31 @@ def _int4_gemv_split_kernel(
 
 
 @triton.jit
-def _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK: tl.constexpr):
+def _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK: tl.constexpr,
+                EVEN: tl.constexpr):  # fmt: skip
     """The code words [BLOCK_N, WK] w0 .. w0 + WK (those before w_end) of the columns."""
     w_idx = w0 + tl.arange(0, WK)
-    mask = col_ok[:, None] & (w_idx < w_end)[None, :]
-    return tl.load(codes_ptr + cols64[:, None] * stride_c + w_idx[None, :], mask=mask, other=0)
+    ptrs = codes_ptr + cols64[:, None] * stride_c + w_idx[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=col_ok[:, None] & (w_idx < w_end)[None, :], other=0)
 
 
 @triton.jit
 def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end, G, group_w,
           acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
-          BITS: tl.constexpr, WK: tl.constexpr):  # fmt: skip
+          BITS: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
     """acc + the tile's weights times the row: code j of word w is column PER w + j.
 
-    A code becomes a float without an int-to-float conversion (a slow instruction): its bits
-    OR 0x4B000000 are the float 2^23 + code, and subtracting 2^23 + zero leaves code - zero
-    exactly, the reference's float32 difference; then times the scale in float32, + min, rounded
-    to `dtype`: the reference's bits."""
+    A code becomes a float without an int-to-float conversion (a slow instruction) and without
+    a shift: code j of the word's low half, masked in place, OR 0x4B000000 is the
+    float 2^23 + code * 2^e (e = BITS j, at most 12, so exact), minus 2^23 + zero * 2^e is
+    (code - zero) * 2^e exactly, and times scale * 2^-e (exact: a power of two) it is the
+    reference's float32 (code - zero) * scale, the same rounding. The high half's codes take
+    one shift per word. Then + min, rounded to `dtype`: the reference's bits."""
     w_idx = w0 + tl.arange(0, WK)
-    w_ok = w_idx < w_end
+    w_ok = (w_idx < w_end) | EVEN  # EVEN: constant true, the masks fold away
+    col_ok = col_ok | EVEN
     if WORD_GROUPS:  # the tile spans groups: a scale (zero, min) per word
         at = cols64[:, None] * G + (w_idx // group_w)[None, :]
         ok = col_ok[:, None] & w_ok[None, :]
@@ -114,10 +120,15 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
         z = tl.load(zeros_ptr + at, mask=col_ok, other=0)[:, None]
         m = tl.load(mins_ptr + at, mask=col_ok, other=0.0)[:, None] if HAS_MIN else s
     PER: tl.constexpr = 32 // BITS  # codes a word
-    z = z.to(tl.float32) + 8388608.0  # 2^23 + zero
+    HALF: tl.constexpr = PER // 2  # codes in its low 16 bits
+    high = words >> 16
+    z = z.to(tl.float32)
     for j in tl.static_range(PER):
-        bits = ((words >> (BITS * j)) & ((1 << BITS) - 1)) | 0x4B000000
-        w = (bits.to(tl.float32, bitcast=True) - z) * s
+        e = BITS * (j % HALF)
+        half = words if j < HALF else high
+        bits = (half & (((1 << BITS) - 1) << e)) | 0x4B000000  # the float 2^23 + code * 2^e
+        zero, scale = 8388608.0 + z * (1 << e), s * (1.0 / (1 << e))  # per column and group
+        w = (bits.to(tl.float32, bitcast=True) - zero) * scale
         if HAS_MIN:  # GGUF Q4_1: code * d + m
             w += m
         x = tl.load(x_ptr + w_idx * PER + j, mask=w_ok, other=0.0).to(tl.float32)
@@ -176,7 +187,9 @@ def int4_gemv_split(
         group_k // per_word, per // per_word, codes.stride(0), x.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split,
-        BLOCK_N=block_n, WK=block_k // per_word, num_warps=warps, **pdl.launch(),
+        BLOCK_N=block_n, WK=block_k // per_word,
+        EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
+        num_warps=warps, **pdl.launch(),
     )  # fmt: skip
     return out
 
