@@ -119,3 +119,26 @@ def test_the_installed_forward_takes_up_to_four_rows(device, monkeypatch):
                 _close(lin(x.to(device)).cpu(), want, 2e-3)
         assert calls == [1, 1, 1]  # five rows: the layer's own forward
     assert int(counters.abs().sum()) == 0
+
+
+def test_an_empty_slice_reads_no_scale_past_the_row(device):
+    """SPLIT 3 over 256 columns in slices of 128 leaves the third slice empty: its program must
+    not read a scale or zero past the weight's last group (here NaN, where memory past the
+    tensor could hold anything)."""
+    from paged.kernels.int4_gemv import int4_gemv_split
+
+    n, k, group_k = 16, 256, 128
+    codes, scales, zeros, _, g = _weights(n, k, group_k, False, 11)
+    padded = torch.full((n * 2 + 64,), float("nan"))
+    padded[: n * 2] = scales.flatten()
+    tail = padded[: n * 2].view(n, 2)  # the scales, NaN right after the last row's
+    x = torch.randn(1, k, generator=g)
+    counters = torch.zeros(8, dtype=torch.int32, device=device)
+    dev = [t.to(device) for t in (x, codes, tail, zeros)]
+    if device == "cpu":  # keep the NaN tail behind the view on the CPU
+        dev[2] = tail
+    got = int4_gemv_split(dev[0], dev[1], dev[2], dev[3], group_k, None, None, (16, 64, 3, 4),
+                          counters)  # fmt: skip
+    want = ref.int4_linear(x, codes, scales, zeros, group_k)
+    assert torch.isfinite(got).all()
+    _close(got.cpu(), want, 2e-3)

@@ -88,9 +88,15 @@ def _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK: tl.constexpr
     """The code words [BLOCK_N, WK] w0 .. w0 + WK (those before w_end) of the columns."""
     w_idx = w0 + tl.arange(0, WK)
     ptrs = codes_ptr + cols64[:, None] * stride_c + w_idx[None, :]
+    return _load(ptrs, col_ok[:, None] & (w_idx < w_end)[None, :], 0, EVEN)
+
+
+@triton.jit
+def _load(ptrs, mask, other, EVEN: tl.constexpr):
+    """A masked load, or (EVEN: every tile whole) a plain one."""
     if EVEN:
         return tl.load(ptrs)
-    return tl.load(ptrs, mask=col_ok[:, None] & (w_idx < w_end)[None, :], other=0)
+    return tl.load(ptrs, mask=mask, other=other)
 
 
 @triton.jit
@@ -106,19 +112,19 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
     reference's float32 (code - zero) * scale, the same rounding. The high half's codes take
     one shift per word. Then + min, rounded to `dtype`: the reference's bits."""
     w_idx = w0 + tl.arange(0, WK)
-    w_ok = (w_idx < w_end) | EVEN  # EVEN: constant true, the masks fold away
-    col_ok = col_ok | EVEN
+    w_ok = w_idx < w_end
     if WORD_GROUPS:  # the tile spans groups: a scale (zero, min) per word
         at = cols64[:, None] * G + (w_idx // group_w)[None, :]
         ok = col_ok[:, None] & w_ok[None, :]
-        s = tl.load(scales_ptr + at, mask=ok, other=0.0)
-        z = tl.load(zeros_ptr + at, mask=ok, other=0)
-        m = tl.load(mins_ptr + at, mask=ok, other=0.0) if HAS_MIN else s
+        s = _load(scales_ptr + at, ok, 0.0, EVEN)
+        z = _load(zeros_ptr + at, ok, 0, EVEN)
+        m = _load(mins_ptr + at, ok, 0.0, EVEN) if HAS_MIN else s
     else:  # the tile lies in one group (WK divides group_w)
         at = cols64 * G + w0 // group_w
-        s = tl.load(scales_ptr + at, mask=col_ok, other=0.0)[:, None]
-        z = tl.load(zeros_ptr + at, mask=col_ok, other=0)[:, None]
-        m = tl.load(mins_ptr + at, mask=col_ok, other=0.0)[:, None] if HAS_MIN else s
+        ok = col_ok & (cols64 * 0 + w0 < w_end)  # an empty slice (past the row) reads no group
+        s = _load(scales_ptr + at, ok, 0.0, EVEN)[:, None]
+        z = _load(zeros_ptr + at, ok, 0, EVEN)[:, None]
+        m = _load(mins_ptr + at, ok, 0.0, EVEN)[:, None] if HAS_MIN else s
     PER: tl.constexpr = 32 // BITS  # codes a word
     HALF: tl.constexpr = PER // 2  # codes in its low 16 bits
     high = words >> 16
@@ -131,7 +137,7 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
         w = (bits.to(tl.float32, bitcast=True) - zero) * scale
         if HAS_MIN:  # GGUF Q4_1: code * d + m
             w += m
-        x = tl.load(x_ptr + w_idx * PER + j, mask=w_ok, other=0.0).to(tl.float32)
+        x = _load(x_ptr + w_idx * PER + j, w_ok, 0.0, EVEN).to(tl.float32)
         acc += w.to(dtype).to(tl.float32) * x[None, :]
     return acc
 
