@@ -28,17 +28,16 @@ def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config", [(16, 64, 1, 4), (8, 128, 2, 4), (32, 32, 3, 4)])
-@pytest.mark.parametrize("n, k, group_k, with_mins, bias, bits", [
-    (40, 256, 128, False, True, 4),  # AWQ / GPTQ groups, a ragged last output block
-    (32, 256, 128, False, False, 4),  # whole tiles everywhere (no masked load) but SPLIT 3
-    (24, 320, 64, False, False, 4),  # K not a whole number of tiles
-    (37, 192, 32, True, True, 4),  # GGUF Q4_1: groups of 32 with mins, tiles wider than a group
-    (24, 160, 32, False, True, 8),  # GGUF Q8_0: 8-bit codes, (code - 128) * d
-    (19, 96, 32, True, False, 8),  # 8-bit codes with mins (a layer stacking Q8_0 and Q4_1)
+@pytest.mark.parametrize("m, n, k, group_k, with_mins, bias, bits", [
+    (1, 40, 256, 128, False, True, 4),  # AWQ / GPTQ groups, a ragged last output block
+    (3, 32, 256, 128, False, False, 4),  # whole tiles everywhere (no masked load) but SPLIT 3
+    (1, 24, 320, 64, False, False, 4),  # K not a whole number of tiles
+    (3, 37, 192, 32, True, True, 4),  # GGUF Q4_1: groups of 32 with mins, tiles wider than one
+    (1, 24, 160, 32, False, True, 8),  # GGUF Q8_0: 8-bit codes, (code - 128) * d
+    (4, 19, 96, 32, True, False, 8),  # 8-bit codes with mins (a layer stacking Q8_0 and Q4_1)
 ])  # fmt: skip
-@pytest.mark.parametrize("m", [1, 3])
-def test_split_int4_gemv_matches_reference_and_unsplit(device, dtype, config, n, k, group_k,
-                                                       with_mins, bias, bits, m):  # fmt: skip
+def test_split_int4_gemv_matches_reference_and_unsplit(device, dtype, config, m, n, k, group_k,
+                                                       with_mins, bias, bits):  # fmt: skip
     from paged.kernels.int4_gemm import int4_linear
     from paged.kernels.int4_gemv import int4_gemv_split, split_counters
 
