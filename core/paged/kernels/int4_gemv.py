@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 
 from paged.kernels import pdl
+from paged.kernels.gemv import _store_row
+from paged.kernels.int4_gemm import GEMV_MAX_ROWS
 
 Config = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps)
 
@@ -68,7 +70,7 @@ def _int4_gemv_split_kernel(
                     EVEN)  # fmt: skip
     total = tl.sum(acc, axis=1)
     if SPLIT == 1:
-        _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
+        _store_row(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
     else:
         part = part_ptr + row * SPLIT * N + cols64
         tl.store(part + pid_s * N, total, mask=col_ok)
@@ -79,7 +81,7 @@ def _int4_gemv_split_kernel(
             for s in tl.static_range(SPLIT):
                 total += tl.load(part + s * N, mask=col_ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + slot, 0)
-            _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
+            _store_row(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS)
 
 
 @triton.jit
@@ -142,14 +144,7 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
     return acc
 
 
-@triton.jit
-def _store(total, bias_ptr, out_ptr, cols, col_ok, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-MAX_ROWS = 4  # input rows a launch takes
+MAX_ROWS = GEMV_MAX_ROWS  # input rows a launch takes: the unsplit GEMV's range
 
 
 def split_counters(n: int, config: Config, rows: int = MAX_ROWS) -> int:
