@@ -9,6 +9,7 @@ not import triton.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.util import find_spec
 from typing import NamedTuple
@@ -104,16 +105,10 @@ def _fp8_linear(x, weight, scale, group_k, bias=None):
     return fp8_linear(x, weight, scale, group_k, bias)
 
 
-def _int4_linear(x, codes, scales, zeros, group_k, bias=None, mins=None):
+def _int4_linear(x, codes, scales, zeros, group_k, bias=None, mins=None, bits=4):
     from paged.kernels.int4_gemm import int4_linear
 
-    return int4_linear(x, codes, scales, zeros, group_k, bias, mins)
-
-
-def _int8_linear(x, codes, scales, zeros, group_k, bias=None, mins=None):
-    from paged.kernels.int4_gemm import int4_linear
-
-    return int4_linear(x, codes, scales, zeros, group_k, bias, mins, bits=8)
+    return int4_linear(x, codes, scales, zeros, group_k, bias, mins, bits)
 
 
 def triton_fused_ops() -> dict[str, Callable]:
@@ -145,7 +140,7 @@ def triton_fused_ops() -> dict[str, Callable]:
         # saves (bench/moe_kernel.py --inline-routing).
         "fp8_linear": _fp8_linear,  # paged.quantization's linears
         "int4_linear": _int4_linear,
-        "int8_linear": _int8_linear,
+        "int8_linear": functools.partial(_int4_linear, bits=8),
         "lora_shrink": kernels.lora_shrink,
         "lora_expand": kernels.lora_expand,
         "apply_token_bitmask": kernels.apply_token_bitmask,  # structured outputs' mask
