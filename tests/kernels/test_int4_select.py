@@ -36,7 +36,8 @@ def test_choose_keeps_the_group_in_the_key():
     """Shapes are keyed (n, k, group, mins, bits): two groupings of one weight shape are timed
     and chosen apart."""
     shapes = {(4096, 4096, 128, False, 4): ["awq"], (4096, 4096, 32, True, 4): ["gguf"]}
-    got = int4_select.choose(shapes, lambda n, k: int4_select.candidates(n, k, 132),
+    got = int4_select.choose(shapes, lambda n, k, group, mins, bits:
+                             int4_select.candidates(n, k, 132, bits),
                              lambda mods: 10e-6,
                              lambda mods, c: 4e-6 if mods == ["awq"] else 11e-6)  # fmt: skip
     assert list(got) == [(4096, 4096, 128, False, 4)]

@@ -14,7 +14,6 @@ linear.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import triton
@@ -22,7 +21,7 @@ from torch import nn
 
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, fp8_gemv_dot
-from paged_cuda.gemv_select import choose, graph_time
+from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
 
@@ -83,8 +82,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     device = next(iter(shapes.values()))[0].weight.device
     props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
     sms, smem = props["multiprocessor_count"], props["max_shared_mem"]
-    half = (torch.bfloat16, torch.float16)  # the model's dtype (its scales are float32)
-    dtype = next((p.dtype for p in model.parameters() if p.dtype in half), torch.float32)
+    dtype = model_dtype(model)
     xs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
     most = max((split_counters(n, c) for n, k in shapes for c in candidates(n, k, sms, smem)),
                default=1)  # fmt: skip
@@ -99,10 +97,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         x = xs[mods[0].weight.shape[1]]
         calls = [lambda m=m: fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config,
                                             counters) for m in mods]  # fmt: skip
-        try:
-            return graph_time(calls)
-        except triton.runtime.errors.OutOfResources:  # at the first (uncaptured) call
-            return math.inf
+        return graph_time_or_inf(calls)
 
     with torch.inference_mode():
         chosen = choose(shapes, lambda n, k: candidates(n, k, sms, smem), time_unsplit,

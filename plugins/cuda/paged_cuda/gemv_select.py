@@ -61,20 +61,35 @@ def graph_time(calls: list[Callable[[], object]]) -> float:
     return start.elapsed_time(end) / 1e3 / (REPLAYS * len(calls))
 
 
+def graph_time_or_inf(calls: list[Callable[[], object]]) -> float:
+    """graph_time, or infinity for a config whose kernel does not fit the GPU (Triton's
+    OutOfResources, raised at the first, uncaptured, call)."""
+    try:
+        return graph_time(calls)
+    except triton.runtime.errors.OutOfResources:
+        return math.inf
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The model's 16-bit dtype (quantized layers hold float32 scales beside it), else float32."""
+    half = (torch.bfloat16, torch.float16)
+    return next((p.dtype for p in model.parameters() if p.dtype in half), torch.float32)
+
+
 def choose(
     shapes: dict[tuple, list],
-    configs: Callable[[int, int], list],
+    configs: Callable[..., list],
     time_base: Callable[[list], float],
     time_config: Callable[[list, tuple], float],
 ) -> dict[tuple, tuple[tuple, float, float]]:
-    """{shape: (config, its seconds, the baseline's seconds)} for the shapes (keys starting
-    with the weight's (n, k)) where one of `configs(n, k)` takes at most MARGIN of the baseline
-    kernel's time. Timers are injected (tests run without a GPU); a config that does not
+    """{shape: (config, its seconds, the baseline's seconds)} for the shapes (tuples starting
+    with the weight's (n, k)) where one of `configs(*shape)` takes at most MARGIN of the
+    baseline kernel's time. Timers are injected (tests run without a GPU); a config that does not
     compile or run times as infinite. Shapes with no candidate config (e.g. an LM head: enough
     output blocks already) are not timed."""
     chosen = {}
     for shape, mods in shapes.items():
-        tries = configs(*shape[:2])
+        tries = configs(*shape)
         if not tries:
             continue
         base = time_base(mods)

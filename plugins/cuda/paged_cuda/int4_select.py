@@ -14,7 +14,6 @@ is (n, k, group, with mins, code bits).
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import triton
@@ -28,7 +27,7 @@ from paged.kernels.int4_gemv import (
     int4_gemv_split,
     split_counters,
 )
-from paged_cuda.gemv_select import choose, graph_time
+from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
 
@@ -78,8 +77,7 @@ def use_measured_int4_gemv(model: nn.Module) -> None:
         return
     device = next(iter(shapes.values()))[0].codes.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    half = (torch.bfloat16, torch.float16)  # the model's dtype (int4 scales are float32)
-    dtype = next((p.dtype for p in model.parameters() if p.dtype in half), torch.float32)
+    dtype = model_dtype(model)
     xs = {key[1]: torch.randn(1, key[1], device=device, dtype=dtype) for key in shapes}
     most = max((split_counters(key[0], c) for key in shapes
                 for c in candidates(key[0], key[1], sms, key[4])), default=1)  # fmt: skip
@@ -96,17 +94,13 @@ def use_measured_int4_gemv(model: nn.Module) -> None:
         x = xs[mods[0].in_features]
         calls = [lambda m=m: int4_gemv_split(x, *args(m), config, counters, code_bits(m))
                  for m in mods]  # fmt: skip
-        try:
-            return graph_time(calls)
-        except triton.runtime.errors.OutOfResources:  # at the first (uncaptured) call
-            return math.inf
+        return graph_time_or_inf(calls)
 
-    chosen = {}
+    def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
+        return candidates(n, k, sms, bits)
+
     with torch.inference_mode():
-        for bits in (4, 8):  # choose() passes (n, k) to the candidates: one call per code size
-            of_bits = {key: mods for key, mods in shapes.items() if key[4] == bits}
-            chosen |= choose(of_bits, lambda n, k, b=bits: candidates(n, k, sms, b),
-                             time_unsplit, time_split)  # fmt: skip
+        chosen = choose(shapes, configs, time_unsplit, time_split)
     for key, (config, best, base) in chosen.items():
         for mod in shapes[key]:
             mod.forward = Int4SplitGemv(mod, config, counters)
