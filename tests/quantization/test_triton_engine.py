@@ -24,10 +24,15 @@ class TritonLinearsOnCpu(CpuPlatform):
         return {k: table[k] for k in ("fp8_linear", "int4_linear")}
 
 
+def use_platform(monkeypatch, platform: CpuPlatform) -> None:
+    """Engines built from here on run on `platform`."""
+    for where in ("paged.engine.core", "paged.worker.worker"):
+        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
+
+
 @pytest.fixture
 def triton_linears(monkeypatch):
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonLinearsOnCpu())
+    use_platform(monkeypatch, TritonLinearsOnCpu())
 
 
 def test_fp8_triton_gemm_in_the_engine(tiny_models, triton_linears):
@@ -62,8 +67,7 @@ def test_int4_split_gemv_in_the_engine(int4_models, monkeypatch):
                 if isinstance(mod, QuantLinear):
                     mod.forward = int4_gemv.Int4SplitGemv(mod, (16, 64, 3, 4), counters)
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: SplitInt4OnCpu())
+    use_platform(monkeypatch, SplitInt4OnCpu())
     rows = []
     real = int4_gemv.int4_gemv_split
     monkeypatch.setattr(int4_gemv, "int4_gemv_split", lambda x, *a: rows.append(len(x))
