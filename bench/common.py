@@ -57,7 +57,24 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    host = f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    gpus = _nvidia_gpus()
+    return f"{gpus} on {host}" if gpus else host
+
+
+def _nvidia_gpus() -> str:
+    """'1x NVIDIA H200' from nvidia-smi; empty where there is none."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    names = [n.strip() for n in out if n.strip()]
+    return f"{len(names)}x {names[0]}" if names else ""
 
 
 def git_rev() -> str:
