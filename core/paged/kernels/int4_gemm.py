@@ -1,7 +1,9 @@
 """Weight-only int4 linear layers (AWQ / GPTQ checkpoints, repacked at load; a GGUF's Q4
 blocks) and their 8-bit kin (a GGUF's Q8_0 blocks): the weight's codes are dequantized in
 registers, (code - zero) * scale per group of input columns, rounded to the activation dtype
-as the torch reference does, and multiplied.
+as the torch reference does, and multiplied. With mins (GGUF Q4_1: code * d + m) the kernels
+are launched with enable_fp_fusion=False: a fused multiply-add would round once where the
+reference rounds the product and the sum.
 
 Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, K/4], bits
 8*(k%4) of word k//4), scales float32 and zeros uint8 [N, K/group]: one output channel's codes
@@ -45,7 +47,7 @@ def _dequant_tile(codes_ptr, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, k0
     s = tl.load(scales_ptr + cols64 * G + g, mask=col_ok, other=0.0)
     z = tl.load(zeros_ptr + cols64 * G + g, mask=col_ok, other=0).to(tl.float32) + 8388608.0
     w = (q - z[:, None]) * s[:, None]  # code - zero exact, as in int4_gemv (no int-to-float)
-    if HAS_MIN:  # GGUF Q4_1: code * d + m
+    if HAS_MIN:  # GGUF Q4_1: code * d + m, two roundings (launched without FMA contraction)
         w += tl.load(mins_ptr + cols64 * G + g, mask=col_ok, other=0.0)[:, None]
     return w.to(dtype)
 
@@ -141,6 +143,7 @@ def dequantize(
     _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         codes, scales, zeros, mins if mins is not None else scales, w, n, k, groups, group_k,
         HAS_MIN=mins is not None, BITS=bits, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return w
 
@@ -179,7 +182,7 @@ def int4_linear(
         _int4_gemv[(triton.cdiv(n, bn), m)](
             x2, codes, scales, zeros, mn, b, y, n, k, groups, group_k, x2.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, HAS_MIN=mins is not None, BITS=bits, BLOCK_N=bn,
-            BLOCK_K=bk, num_warps=4,
+            BLOCK_K=bk, num_warps=4, enable_fp_fusion=mins is None,
         )  # fmt: skip
     else:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -191,5 +194,6 @@ def int4_linear(
             x2, codes, scales, zeros, mn, b, y, m, n, k, groups, group_k, x2.stride(0),
             y.stride(0), HAS_BIAS=bias is not None, HAS_MIN=mins is not None, UPCAST=upcast,
             BITS=bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+            enable_fp_fusion=mins is None,
         )  # fmt: skip
     return y.view(*shape[:-1], n)

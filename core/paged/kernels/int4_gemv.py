@@ -105,17 +105,27 @@ def _load(ptrs, mask, other, EVEN: tl.constexpr):
 def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_end, G, group_w,
           acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
           BITS: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    """acc + the tile's weights times the row: code j of word w is column PER w + j.
-
-    A code becomes a float without an int-to-float conversion (a slow instruction) and without
-    a shift: code j of the word's low half, masked in place, OR 0x4B000000 is the
-    float 2^23 + code * 2^e (e = BITS j, at most 12, so exact), minus 2^23 + zero * 2^e is
-    (code - zero) * 2^e exactly, and times scale * 2^-e (exact: a power of two) it is the
-    reference's float32 (code - zero) * scale, the same rounding. The high half's codes take
-    one shift per word. Then + min, rounded to `dtype`: the reference's bits."""
+    """acc + the tile's weights times the row: code j of word w is column PER w + j."""
     w_idx = w0 + tl.arange(0, WK)
     w_ok = w_idx < w_end
-    if WORD_GROUPS:  # the tile spans groups: a scale (zero, min) per word
+    s, z, m = _group_params(scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_idx, w_ok, w0,
+                            w_end, G, group_w, HAS_MIN, WORD_GROUPS, EVEN)  # fmt: skip
+    PER: tl.constexpr = 32 // BITS  # codes a word
+    high = words >> 16
+    for j in tl.static_range(PER):
+        w = _code_weights(words, high, j, s, z, m, dtype, HAS_MIN, BITS)
+        x = _load(x_ptr + w_idx * PER + j, w_ok, 0.0, EVEN).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    return acc
+
+
+@triton.jit
+def _group_params(scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_idx, w_ok, w0, w_end, G,
+                  group_w, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
+                  EVEN: tl.constexpr):  # fmt: skip
+    """The scales, zeros (as floats) and mins of a tile of code words, [BLOCK_N, WK] where the
+    tile spans groups (WORD_GROUPS: a group per word), else [BLOCK_N, 1]."""
+    if WORD_GROUPS:
         at = cols64[:, None] * G + (w_idx // group_w)[None, :]
         ok = col_ok[:, None] & w_ok[None, :]
         s = _load(scales_ptr + at, ok, 0.0, EVEN)
@@ -127,21 +137,29 @@ def _step(x_ptr, words, scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w0, w_e
         s = _load(scales_ptr + at, ok, 0.0, EVEN)[:, None]
         z = _load(zeros_ptr + at, ok, 0, EVEN)[:, None]
         m = _load(mins_ptr + at, ok, 0.0, EVEN)[:, None] if HAS_MIN else s
-    PER: tl.constexpr = 32 // BITS  # codes a word
-    HALF: tl.constexpr = PER // 2  # codes in its low 16 bits
-    high = words >> 16
-    z = z.to(tl.float32)
-    for j in tl.static_range(PER):
-        e = BITS * (j % HALF)
-        half = words if j < HALF else high
-        bits = (half & (((1 << BITS) - 1) << e)) | 0x4B000000  # the float 2^23 + code * 2^e
-        zero, scale = 8388608.0 + z * (1 << e), s * (1.0 / (1 << e))  # per column and group
-        w = (bits.to(tl.float32, bitcast=True) - zero) * scale
-        if HAS_MIN:  # GGUF Q4_1: code * d + m
-            w += m
-        x = _load(x_ptr + w_idx * PER + j, w_ok, 0.0, EVEN).to(tl.float32)
-        acc += w.to(dtype).to(tl.float32) * x[None, :]
-    return acc
+    return s, z.to(tl.float32), m
+
+
+@triton.jit
+def _code_weights(words, high, j: tl.constexpr, s, z, m, dtype: tl.constexpr,
+                  HAS_MIN: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """The weights of code j of each word (`high`: the words >> 16), rounded to `dtype`.
+
+    A code becomes a float without an int-to-float conversion (a slow instruction) and without
+    a shift: code j of the word's low half, masked in place, OR 0x4B000000 is the
+    float 2^23 + code * 2^e (e = BITS j, at most 12, so exact), minus 2^23 + zero * 2^e is
+    (code - zero) * 2^e exactly, and times scale * 2^-e (exact: a power of two) it is the
+    reference's float32 (code - zero) * scale, the same rounding. The high half's codes take
+    one shift per word. Then + min, rounded to `dtype`: the reference's bits."""
+    HALF: tl.constexpr = 16 // BITS  # codes in a word's low 16 bits
+    e: tl.constexpr = BITS * (j % HALF)
+    half = words if j < HALF else high
+    bits = (half & (((1 << BITS) - 1) << e)) | 0x4B000000  # the float 2^23 + code * 2^e
+    zero, scale = 8388608.0 + z * (1 << e), s * (1.0 / (1 << e))  # per column and group
+    w = (bits.to(tl.float32, bitcast=True) - zero) * scale
+    if HAS_MIN:  # GGUF Q4_1: code * d + m, two roundings (no FMA contraction at launch)
+        w += m
+    return w.to(dtype)
 
 
 MAX_ROWS = GEMV_MAX_ROWS  # input rows a launch takes: the unsplit GEMV's range
@@ -190,7 +208,7 @@ def int4_gemv_split(
         HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split,
         BLOCK_N=block_n, WK=block_k // per_word,
         EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
-        num_warps=warps, **pdl.launch(),
+        num_warps=warps, enable_fp_fusion=mins is None, **pdl.launch(),
     )  # fmt: skip
     return out
 
