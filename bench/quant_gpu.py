@@ -44,31 +44,75 @@ LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("dow
 LAYERS = 32
 
 
-def int4_split_calls(weights: list[dict], bits: int = 4):
-    """The one-row int4 (`bits` 8: GGUF Q8_0's int8) linear on the split-K GEMV, each shape on
-    its fastest config among the ones paged_cuda.int4_select times at start-up (timed here on
-    that one weight)."""
-    from triton.testing import do_bench_cudagraph
-
+def int4_split_calls(weights: list[dict], m: int, bits: int = 4):
+    """The int4 (`bits` 8: GGUF Q8_0's int8) linear of m <= 4 rows on the split-K GEMV, each
+    shape on its fastest config among the ones paged_cuda.int4_select times at start-up (timed
+    here on that one weight)."""
     from paged.kernels.int4_gemv import int4_gemv_split
     from paged_cuda.int4_select import candidates
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
     key, group = ("codes", 128) if bits == 4 else ("codes8", 32)
-    best = {}
 
     def call(w, a, config):
         sc, z = (w["sc"], w["z"]) if bits == 4 else (w["sc8"], w["z8"])
         return int4_gemv_split(a, w[key], sc, z, group, None, None, config, counters, bits)
 
+    return _fastest(weights, m, key, candidates_of=lambda n, k: candidates(n, k, sms, bits),
+                    call=call, label=f"int{bits} split-K GEMV")  # fmt: skip
+
+
+def int4_gemm_split_calls(weights: list[dict], m: int):
+    """The int4 linear of m rows on the split-K tensor-core GEMM, each shape on its fastest
+    config of a small sweep (block rows from m, 64 / 128 outputs, K steps of 128 / 256, SPLIT
+    1-8): what `int4_gemm_split.default_config` should pick."""
+    from paged.kernels.int4_gemm_split import int4_gemm_split
+
+    block_m = min(128, max(16, triton_p2(m)))
+
+    def configs(n: int, k: int) -> list[tuple]:
+        out = []
+        for block_n in (64, 128):
+            for block_k in (128, 256) if m <= 64 else (128,):
+                for split in (1, 2, 4, 8):
+                    per = cdiv(cdiv(k, split), block_k) * block_k
+                    if per * (split - 1) < k:
+                        out.append((block_m, block_n, block_k, split, 8 if block_m > 64 else 4))
+        return out
+
+    def call(w, a, config):
+        return int4_gemm_split(a, w["codes"], w["sc"], w["z"], 128, None, None, 4, config)
+
+    return _fastest(weights, m, "codes", configs, call, "int4 split-K GEMM")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+def triton_p2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: str):
+    """Per weight: time call(w, x, config) for every config of candidates_of(n, k) at m rows,
+    keep the fastest; returns the layer call on those."""
+    from triton.testing import do_bench_cudagraph
+
+    best = {}
     for w in weights:
         n, k = w[key].shape[0], w["k"]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        timed = [(do_bench_cudagraph(lambda c=c, x=x, w=w: call(w, x, c), return_mode="median"),
-                  c) for c in candidates(n, k, sms, bits)]  # fmt: skip
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        timed = []
+        for c in candidates_of(n, k):
+            try:
+                timed.append((do_bench_cudagraph(lambda c=c, x=x, w=w: call(w, x, c),
+                                                 return_mode="median"), c))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (out of resources: skip the config)
+                print(f"{label} {n}x{k} {c}: {type(e).__name__}", flush=True)
         ms, best[id(w)] = min(timed)
-        print(f"int{bits} split-K {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
+        print(f"{label} M={m} {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
@@ -88,6 +132,7 @@ def gemm_bench(rows: list[int]) -> list[dict]:
 
     from paged.kernels.fp8_gemm import fp8_gemm, fp8_linear, quantize_fp8_rows
     from paged.kernels.int4_gemm import int4_linear
+    from paged.kernels.int4_gemm_split import int4_gemm_split
     from paged.quantization.reference import pack_int4
 
     dev, bf16 = "cuda", torch.bfloat16
@@ -133,10 +178,33 @@ def gemm_bench(rows: list[int]) -> list[dict]:
         if m > 4:  # the tiled GEMM, where int4_linear would dequantize the weight instead
             variants["int4 tiled GEMM"] = ("int4", layer(lambda w, a, aq: tiled_int4(
                 a, w["codes"], w["sc"], w["z"], 128)))  # fmt: skip
-        if m == 1:
-            variants["int4 split-K GEMV (best/shape)"] = ("int4", layer(int4_split_calls(weights)))
-            variants["int8 split-K GEMV (best/shape)"] = ("int8",
-                                                          layer(int4_split_calls(weights, 8)))
+        if m <= 4:
+            variants["int4 split-K GEMV (best/shape)"] = (
+                "int4",
+                layer(int4_split_calls(weights, m)),
+            )
+            variants["int8 split-K GEMV (best/shape)"] = (
+                "int8",
+                layer(int4_split_calls(weights, m, 8)),
+            )
+        variants["int4 split-K GEMM (default)"] = (
+            "int4",
+            layer(
+                lambda w, a, aq: int4_gemm_split(a, w["codes"], w["sc"], w["z"], 128, None, None, 4)
+            ),
+        )
+        variants["int8 split-K GEMM (default)"] = (
+            "int8",
+            layer(
+                lambda w, a, aq: int4_gemm_split(
+                    a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8
+                )
+            ),
+        )
+        variants["int4 split-K GEMM (best/shape)"] = (
+            "int4",
+            layer(int4_gemm_split_calls(weights, m)),
+        )
         if scaled_mm:
             from paged_cuda.fp8 import fp8_linear as cuda_fp8
 
@@ -292,9 +360,11 @@ def report(gemms: list[dict], engine: list[dict], args, acc: dict | None = None)
                   "max (nats) |", "|---|---|---|---|---|"]  # fmt: skip
         for v in ("fp8", "float32"):
             a = acc[v]
-            lines.append(f"| {v} | {a['token_match']:.1%} | {a['identical_outputs']} "
-                         f"| {a['teacher_forced_top1']:.1%} "
-                         f"| {a['mean_logprob_drift']:.4f} / {a['max_logprob_drift']:.3f} |")
+            lines.append(
+                f"| {v} | {a['token_match']:.1%} | {a['identical_outputs']} "
+                f"| {a['teacher_forced_top1']:.1%} "
+                f"| {a['mean_logprob_drift']:.4f} / {a['max_logprob_drift']:.3f} |"
+            )
     elif acc:
         lines += ["\n### fp8 accuracy: failed\n", "```", acc.get("error", "")[-1500:], "```"]
     if gemms:

@@ -1,0 +1,184 @@
+"""The int4 GEMM split over K, on the tensor cores: a batch of rows (decode batches, prefill
+chunks) times int4 weights (AWQ / GPTQ repacked, a GGUF's Q4_0 / Q4_1 blocks) or 8-bit ones (a
+GGUF's Q8_0 blocks), `int4_gemm.int4_linear`'s arithmetic on a grid of (row blocks, output
+blocks, SPLIT slices of K).
+
+Each program dequantizes its [BLOCK_N, WK] tile of code words once, code by code as the split
+GEMV does (`int4_gemv._code_weights`: the j-th code of every word is the input column
+PER w + j, so no reshape of the tile), and multiplies each code's [BLOCK_N, WK] weights with the
+matching strided columns of its BLOCK_M rows on the tensor cores (PER dots of depth WK a step).
+The row blocks are the grid's fastest axis, so the programs that share a weight tile run side
+by side and read its words from the cache. Weights are rounded to the rows' dtype as the
+reference rounds them; products and sums in float32, in the tensor cores' order.
+
+Partial sums: the last program of a (row block, output block) (counted atomically) adds the
+SPLIT float32 partials in slice order, adds the bias and stores the block, then resets its
+counter: one launch, graph-safe, the same sums whichever program is last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged.kernels import pdl
+from paged.kernels.int4_gemv import _code_weights, _group_params, _load_words
+
+Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps)
+COUNTER_SLOTS = 1 << 16  # tickets of a device's shared counters (int32)
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _int4_gemm_split_kernel(
+    x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    M, N, KW, G, group_w, words_per_split, stride_c, stride_x, stride_o,
+    HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
+    BITS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_M rows' BLOCK_N outputs over one of SPLIT slices of the KW code words a weight row,
+    WK words a step. EVEN: whole weight tiles everywhere (N, K and every slice): the weights'
+    loads are unmasked (the rows' never are)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    cols64 = cols.to(tl.int64)
+    w_start = pid_s * words_per_split
+    w_end = tl.minimum(w_start + words_per_split, KW)
+    words = _load_words(codes_ptr, cols64, col_ok, w_start, w_end, stride_c, WK, EVEN)
+    pdl.enter(PDL)  # the weights are nobody's output: their first tile loads before the wait
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr,
+                    cols64, col_ok, w_start, w_end, G, group_w, acc, out_ptr.dtype.element_ty,
+                    HAS_MIN, WORD_GROUPS, BITS, WK, EVEN, UPCAST)  # fmt: skip
+    for w0 in range(w_start + WK, w_end, WK):
+        words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK, EVEN)
+        acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr,
+                        mins_ptr, cols64, col_ok, w0, w_end, G, group_w, acc,
+                        out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS, WK, EVEN,
+                        UPCAST)  # fmt: skip
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT == 1:
+        _store_block(acc, bias_ptr, out_ptr, rows64, cols64, col_ok, mask, stride_o, HAS_BIAS)
+    else:
+        part = part_ptr + rows64[:, None] * N + cols64[None, :]  # partials [SPLIT, M, N]
+        plane = (tl.zeros((), tl.int64) + M) * N
+        tl.store(part + pid_s * plane, acc, mask=mask)
+        slot = pid_m * tl.num_programs(1) + pid_n
+        tl.debug_barrier()  # every thread's partial stored before the ticket (release)
+        if tl.atomic_add(count_ptr + slot, 1) == SPLIT - 1:  # acq_rel: the partials visible
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part + s * plane, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + slot, 0)
+            _store_block(total, bias_ptr, out_ptr, rows64, cols64, col_ok, mask, stride_o,
+                         HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr, cols64,
+              col_ok, w0, w_end, G, group_w, acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr,
+              WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, WK: tl.constexpr,
+              EVEN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] + the rows times the tile's weights: code j of word w is input
+    column PER w + j, so code j's weights [BLOCK_N, WK] meet columns j, j + PER, ..."""
+    w_idx = w0 + tl.arange(0, WK)
+    w_ok = w_idx < w_end
+    s, z, m = _group_params(scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_idx, w_ok, w0,
+                            w_end, G, group_w, HAS_MIN, WORD_GROUPS, EVEN)  # fmt: skip
+    PER: tl.constexpr = 32 // BITS
+    high = words >> 16
+    x_rows = x_ptr + rows64[:, None] * stride_x
+    x_mask = row_ok[:, None] & w_ok[None, :]
+    for j in tl.static_range(PER):
+        w = tl.trans(_code_weights(words, high, j, s, z, m, dtype, HAS_MIN, BITS))
+        x = tl.load(x_rows + (w_idx * PER + j)[None, :], mask=x_mask, other=0.0)
+        if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(dtype), w)
+    return acc
+
+
+@triton.jit
+def _store_block(acc, bias_ptr, out_ptr, rows64, cols64, col_ok, mask, stride_o,
+                 HAS_BIAS: tl.constexpr):  # fmt: skip
+    """acc (+ bias) into the output block, in the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols64, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols64[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+def default_config(m: int, n: int, k: int, bits: int, group_k: int) -> Config:
+    """A config for m rows: row blocks as tall as the rows (16 to 64), 64 outputs, a K step of
+    16 code words, and K split until the grid has some 256 programs (each slice at least four
+    steps), within the counters' slots."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n, block_k = 64, 16 * 32 // bits
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 256 and k // (2 * split) >= 4 * block_k and tiles <= COUNTER_SLOTS:
+        split *= 2
+    return block_m, block_n, block_k, split, 4
+
+
+def counters_for(device: torch.device) -> torch.Tensor:
+    """The device's int32 ticket counters (zero between launches), made once."""
+    counters = _counters.get(device)
+    if counters is None:
+        counters = _counters[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32,
+                                                   device=device)  # fmt: skip
+    return counters
+
+
+def int4_gemm_split(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_k: int,
+    bias: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    bits: int = 4,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """The int4 linear (`bits` 8: the 8-bit one) of x [M, K] (codes int32 [N, K / 8], or
+    [N, K / 4]; scales / zeros / mins [N, K / group_k]) under `config` (default_config's if
+    None)."""
+    m, k = x.shape
+    n, groups = scales.shape
+    per_word = 32 // bits
+    assert x.stride(1) == 1 and codes.stride(1) == 1 and codes.shape[1] * per_word == k
+    block_m, block_n, block_k, split, warps = config or default_config(m, n, k, bits, group_k)
+    assert block_k // per_word >= 16 and block_k & (block_k - 1) == 0
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    tiles_m = triton.cdiv(m, block_m)
+    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    if split > 1:
+        assert tiles_m * triton.cdiv(n, block_n) <= COUNTER_SLOTS
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = counters_for(x.device)
+    else:
+        part = counters = out
+    upcast = x.dtype == torch.float32 or x.device.type == "cpu"
+    _int4_gemm_split_kernel[(tiles_m, triton.cdiv(n, block_n), split)](
+        x, codes, scales, zeros, mins if mins is not None else scales,
+        bias if bias is not None else out, out, part, counters, m, n, k // per_word, groups,
+        group_k // per_word, per // per_word, codes.stride(0), x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k,
+        BITS=bits, SPLIT=split, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n,
+        WK=block_k // per_word,
+        EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
+        num_warps=warps, enable_fp_fusion=mins is None, **pdl.launch(),
+    )  # fmt: skip
+    return out
