@@ -1,18 +1,17 @@
 """Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
-        [--gemm-rows 1,8,16,64,256] [--skip-gemm] [--skip-engine] [--gguf default]
+        [--gemm-rows 1,4,16,32,64,256] [--sweep] [--skip-gemm] [--skip-engine] [--gguf default]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
    layer count (the step's linears without the head): bf16 cuBLAS (F.linear), fp8
    torch._scaled_mm with row-wise scales (activations pre-quantized, and with paged's per-token
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
-   int4_linear (AWQ/GPTQ layout, group 128: the Triton GEMV up to 4 rows, the tiled GEMM up
-   to 15, the weight dequantized + cuBLAS from 16) and the same on GGUF Q8_0's 8-bit layout,
-   the tiled int4 GEMM at every row count above 4, and at one row the split-K int4 / int8
-   GEMVs (each shape on its fastest config of those the CUDA plugin times at start-up). GB/s:
-   weight bytes over time.
+   int4_linear (AWQ/GPTQ layout, group 128: the split-K int4 GEMM below DEQUANT_MIN_ROWS, the
+   weight dequantized + cuBLAS from there) and the same on GGUF Q8_0's 8-bit layout, and both
+   int4 paths at every row count (the split GEMM on its default config); `--sweep`: also the
+   split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -42,25 +41,6 @@ sys.path.insert(0, str(ROOT / "core"))
 # (name, N, K) of one Llama-3.1-8B layer's projections (q/k/v and gate/up stacked)
 LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 LAYERS = 32
-
-
-def int4_split_calls(weights: list[dict], m: int, bits: int = 4):
-    """The int4 (`bits` 8: GGUF Q8_0's int8) linear of m <= 4 rows on the split-K GEMV, each
-    shape on its fastest config among the ones paged_cuda.int4_select times at start-up (timed
-    here on that one weight)."""
-    from paged.kernels.int4_gemv import int4_gemv_split
-    from paged_cuda.int4_select import candidates
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
-    key, group = ("codes", 128) if bits == 4 else ("codes8", 32)
-
-    def call(w, a, config):
-        sc, z = (w["sc"], w["z"]) if bits == 4 else (w["sc8"], w["z8"])
-        return int4_gemv_split(a, w[key], sc, z, group, None, None, config, counters, bits)
-
-    return _fastest(weights, m, key, candidates_of=lambda n, k: candidates(n, k, sms, bits),
-                    call=call, label=f"int{bits} split-K GEMV")  # fmt: skip
 
 
 def int4_gemm_split_calls(weights: list[dict], m: int):
@@ -116,22 +96,12 @@ def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: 
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
-def tiled_int4(*args):
-    """int4_linear on its tiled Triton GEMM at any row count (no whole-weight dequantization)."""
-    from paged.kernels import int4_gemm
-
-    saved, int4_gemm.DEQUANT_MIN_ROWS = int4_gemm.DEQUANT_MIN_ROWS, 1 << 30
-    try:
-        return int4_gemm.int4_linear(*args)
-    finally:
-        int4_gemm.DEQUANT_MIN_ROWS = saved
-
-
-def gemm_bench(rows: list[int]) -> list[dict]:
+def gemm_bench(rows: list[int], sweep: bool) -> list[dict]:
+    from torch.nn import functional as F
     from triton.testing import do_bench_cudagraph
 
     from paged.kernels.fp8_gemm import fp8_gemm, fp8_linear, quantize_fp8_rows
-    from paged.kernels.int4_gemm import int4_linear
+    from paged.kernels.int4_gemm import dequantize, int4_linear
     from paged.kernels.int4_gemm_split import int4_gemm_split
     from paged.quantization.reference import pack_int4
 
@@ -175,36 +145,17 @@ def gemm_bench(rows: list[int]) -> list[dict]:
             "int8_linear (GGUF Q8_0)": ("int8", layer(lambda w, a, aq: int4_linear(
                 a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8))),
         }  # fmt: skip
-        if m > 4:  # the tiled GEMM, where int4_linear would dequantize the weight instead
-            variants["int4 tiled GEMM"] = ("int4", layer(lambda w, a, aq: tiled_int4(
-                a, w["codes"], w["sc"], w["z"], 128)))  # fmt: skip
-        if m <= 4:
-            variants["int4 split-K GEMV (best/shape)"] = (
+        variants["int4 split-K GEMM (default)"] = ("int4", layer(lambda w, a, aq: int4_gemm_split(
+            a, w["codes"], w["sc"], w["z"], 128, None, None, 4)))  # fmt: skip
+        variants["int4 dequantized + cuBLAS"] = ("int4", layer(lambda w, a, aq: F.linear(
+            a, dequantize(w["codes"], w["sc"], w["z"], 128, None, 4, bf16))))  # fmt: skip
+        variants["int8 split-K GEMM (default)"] = ("int8", layer(lambda w, a, aq: int4_gemm_split(
+            a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8)))  # fmt: skip
+        if sweep:
+            variants["int4 split-K GEMM (best/shape)"] = (
                 "int4",
-                layer(int4_split_calls(weights, m)),
+                layer(int4_gemm_split_calls(weights, m)),
             )
-            variants["int8 split-K GEMV (best/shape)"] = (
-                "int8",
-                layer(int4_split_calls(weights, m, 8)),
-            )
-        variants["int4 split-K GEMM (default)"] = (
-            "int4",
-            layer(
-                lambda w, a, aq: int4_gemm_split(a, w["codes"], w["sc"], w["z"], 128, None, None, 4)
-            ),
-        )
-        variants["int8 split-K GEMM (default)"] = (
-            "int8",
-            layer(
-                lambda w, a, aq: int4_gemm_split(
-                    a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8
-                )
-            ),
-        )
-        variants["int4 split-K GEMM (best/shape)"] = (
-            "int4",
-            layer(int4_gemm_split_calls(weights, m)),
-        )
         if scaled_mm:
             from paged_cuda.fp8 import fp8_linear as cuda_fp8
 
@@ -395,8 +346,9 @@ def main() -> int:
     a = ap.add_argument
     a("--model", default="llama-3.1-8b", help="a named shape (dummy weights)")
     a("--variants", default="none,fp8,awq", help="--quantization values; none = bf16")
-    a("--gemm-rows", default="1,8,16,64,256")
+    a("--gemm-rows", default="1,4,16,32,64,256")
     a("--skip-gemm", action="store_true")
+    a("--sweep", action="store_true", help="also the split int4 GEMM's best config per shape")
     a("--skip-engine", action="store_true")
     a("--lat-input", type=int, default=128)
     a("--lat-output", type=int, default=128)
@@ -442,7 +394,11 @@ def main() -> int:
 
         args.gguf = default_model_path()
 
-    gemms = [] if args.skip_gemm else gemm_bench([int(r) for r in args.gemm_rows.split(",")])
+    gemms = (
+        []
+        if args.skip_gemm
+        else gemm_bench([int(r) for r in args.gemm_rows.split(",")], args.sweep)
+    )
     engine, acc = [], None
     if not args.skip_accuracy:
         with tempfile.TemporaryDirectory() as tmp:

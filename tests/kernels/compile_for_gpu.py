@@ -28,7 +28,7 @@ TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int64: "i64",
          torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
          torch.bool: "i1"}  # fmt: skip
-OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "enable_fp_fusion")
 compiled: set = set()
 
 
@@ -165,22 +165,23 @@ def quantized_linears() -> None:
         # the fp8 decode GEMV split over K (paged_cuda.fp8_select), with a bias
         fp8_gemv_split(t(rows, k), w8, t(n, 1, dtype=torch.float32), t(n), config,
                        t(n, dtype=torch.int32))  # fmt: skip
-    from paged.kernels.int4_gemv import int4_gemv_split
+    from paged.kernels.int4_gemm_split import int4_gemm_split
 
-    for group, config, bits in ((128, (16, 256, 1, 4), 4), (128, (8, 512, 4, 4), 4),
-                                (32, (16, 256, 2, 4), 4), (32, (16, 128, 2, 4), 8)):
-        # the int4 decode GEMV split over K (paged_cuda.int4_select); GGUF's groups of 32 with
-        # mins: a scale per word; 8-bit codes (GGUF Q8_0)
+    for rows, group, config, bits in ((1, 128, (16, 64, 128, 8, 4), 4),
+                                      (3, 128, (16, 128, 256, 1, 4), 4),
+                                      (20, 32, (32, 64, 128, 2, 4), 4),
+                                      (1, 32, (16, 64, 64, 4, 4), 8)):  # fmt: skip
+        # the int4 GEMM split over K (paged_cuda.int4_select's configs); GGUF's groups of 32
+        # with mins: a scale per word; 8-bit codes (GGUF Q8_0)
         groups = k // group
-        int4_gemv_split(t(1, k), t(n, k * bits // 32, dtype=torch.int32),
+        int4_gemm_split(t(rows, k), t(n, k * bits // 32, dtype=torch.int32),
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,
-                        t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, config,
-                        t(n, dtype=torch.int32), bits)  # fmt: skip
-    # ragged (masked loads): 200 outputs in blocks of 16
-    int4_gemv_split(t(1, k), t(200, k // 8, dtype=torch.int32), t(200, 4, dtype=torch.float32),
-                    t(200, 4, dtype=torch.uint8), 128, None, None, (16, 128, 2, 4),
-                    t(200, dtype=torch.int32))  # fmt: skip
-    for rows in (1, 8, 64):  # the GEMV (decode), the GEMM, the weight dequantized (int4)
+                        t(n), t(n, groups, dtype=torch.float32) if group == 32 else None, bits,
+                        config)  # fmt: skip
+    # ragged (masked loads): 200 outputs in blocks of 64
+    int4_gemm_split(t(1, k), t(200, k // 8, dtype=torch.int32), t(200, 4, dtype=torch.float32),
+                    t(200, 4, dtype=torch.uint8), 128, None, None, 4, (16, 64, 128, 2, 4))
+    for rows in (1, 8, 64):  # fp8: the GEMV (decode), the GEMM; int4: split GEMM, dequantized
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
         fp8_linear(x, w8, t(n, k // 128, dtype=torch.float32), 128, t(n))  # blocks, bias
@@ -282,11 +283,10 @@ def decode_with_pdl() -> None:
 
     fp8_gemv_split(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), None,
                    (64, 128, 2, 4, 2), t(n, dtype=torch.int32))  # fmt: skip
-    from paged.kernels.int4_gemv import int4_gemv_split
+    from paged.kernels.int4_gemm_split import int4_gemm_split
 
-    int4_gemv_split(x, t(n, hidden // 8, dtype=torch.int32), t(n, 2, dtype=torch.float32),
-                    t(n, 2, dtype=torch.uint8), 128, None, None, (16, 128, 2, 4),
-                    t(n, dtype=torch.int32))  # fmt: skip
+    int4_gemm_split(x, t(n, hidden // 8, dtype=torch.int32), t(n, 2, dtype=torch.float32),
+                    t(n, 2, dtype=torch.uint8), 128, None, None, 4, (16, 64, 128, 2, 4))
     moe_route(t(1, 128), 8, True, torch.bfloat16)
     fused_moe_from_logits(x, t(128, 2 * 128, hidden), t(128, hidden, 128), t(1, 128), 8, True,
                           torch.bfloat16, norm=(t(1, hidden), w, 1e-6))  # fmt: skip

@@ -24,6 +24,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     (9, 37, 192, 32, True, True, 4, (32, 32, 128, 2, 4)),  # GGUF Q4_1: groups of 32, mins
     (6, 24, 160, 32, False, False, 8, (16, 16, 64, 2, 4)),  # GGUF Q8_0: 8-bit codes
     (20, 19, 96, 32, True, True, 8, None),  # 8-bit with mins, the default config
+    (1, 40, 256, 128, False, True, 4, None),  # one row (batch-1 decode)
 ])  # fmt: skip
 def test_split_int4_gemm_matches_reference(device, dtype, m, n, k, group_k, with_mins, bias,
                                            bits, config):  # fmt: skip
@@ -52,7 +53,98 @@ def test_split_int4_gemm_matches_reference(device, dtype, m, n, k, group_k, with
 def test_default_config_splits_small_grids_only():
     from paged.kernels.int4_gemm_split import default_config
 
-    assert default_config(8, 4096, 4096, 4, 128) == (16, 64, 128, 4, 4)  # 64 tiles -> 256
-    assert default_config(256, 28672, 4096, 4, 128)[3] == 1  # 1792 tiles: no split
-    assert default_config(40, 4096, 256, 4, 128)[3] == 1  # slices would be < 4 steps
-    assert default_config(20, 64, 4096, 8, 32)[:3] == (32, 64, 64)
+    assert default_config(1, 6144, 4096, 4) == (16, 64, 128, 8, 4)  # 96 tiles -> 768 programs
+    assert default_config(8, 28672, 4096, 4) == (16, 64, 128, 2, 4)  # 448 tiles -> 896
+    assert default_config(256, 28672, 4096, 4)[3] == 1  # 1792 tiles: no split
+    assert default_config(20, 4096, 256, 4)[3] == 1  # slices would be < 4 steps
+    assert default_config(20, 64, 4096, 8)[:3] == (32, 64, 64)
+
+
+def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group_k)
+    codes = ref.pack_int4(torch.randint(0, 1 << bits, (n, k), generator=g), bits)
+    scales = torch.rand(n, groups, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=g).to(torch.uint8)
+    mins = torch.randn(n, groups, generator=g) * 0.05 if with_mins else None
+    return codes, scales, zeros, mins, g
+
+
+def test_weights_round_to_the_row_dtype_before_the_product(device):
+    """Each weight is (code - zero) * scale rounded to the row's dtype before the product, as
+    the reference rounds it: with scales bf16 cannot hold, one-hot rows (each output a single
+    weight, so no sum to reorder) give the reference's bits. In bfloat16 on a GPU only: the
+    interpreter rounds float32 to bfloat16 by truncation."""
+    from paged.kernels.int4_gemm_split import int4_gemm_split
+
+    n, k, group_k = 16, 128, 64
+    codes, scales, zeros, _, _ = _weights(n, k, group_k, False, 3)
+    scales = scales + 1e-5 / 3  # not a bf16 value
+    w = [t.to(device) for t in (codes, scales, zeros)]
+    for dtype in (torch.float32,) + ((torch.bfloat16,) if device != "cpu" else ()):
+        x = torch.zeros(4, k, dtype=dtype)
+        for row, col in enumerate((0, 9, 77, 127)):
+            x[row, col] = 1.0
+        got = int4_gemm_split(x.to(device), *w, group_k, None, None, 4, (16, 16, 128, 2, 4))
+        want = ref.int4_linear(x, codes, scales, zeros, group_k)
+        assert torch.equal(got.cpu(), want)
+
+
+def test_an_empty_slice_reads_no_scale_past_the_row(device):
+    """SPLIT 3 over 256 columns in slices of 128 leaves the third slice empty: its program must
+    not read a scale or zero past the weight's last group (here NaN, where memory past the
+    tensor could hold anything)."""
+    from paged.kernels.int4_gemm_split import int4_gemm_split
+
+    n, k, group_k = 16, 256, 128
+    codes, scales, zeros, _, g = _weights(n, k, group_k, False, 11)
+    padded = torch.full((n * 2 + 64,), float("nan"))
+    padded[: n * 2] = scales.flatten()
+    tail = padded[: n * 2].view(n, 2)  # the scales, NaN right after the last row's
+    x = torch.randn(2, k, generator=g)
+    dev = [t.to(device) for t in (x, codes, tail, zeros)]
+    if device == "cpu":  # keep the NaN tail behind the view on the CPU
+        dev[2] = tail
+    got = int4_gemm_split(*dev, group_k, None, None, 4, (16, 16, 128, 3, 4))
+    want = ref.int4_linear(x, codes, scales, zeros, group_k)
+    assert torch.isfinite(got).all()
+    _close(got.cpu(), want, 2e-3)
+
+
+def test_the_tuned_forward_takes_rows_below_the_dequantized_path(device, monkeypatch):
+    """Int4TunedGemm on an AWQ-style QuantLinear and GGUF ones (4-bit with mins, 8-bit): inputs
+    of fewer than DEQUANT_MIN_ROWS rows, of any leading shape, go through the split GEMM on its
+    config, more rows through the layer's own forward (the weight dequantized)."""
+    from paged.kernels import int4_gemm
+    from paged.kernels.int4_gemm_split import code_bits
+    from paged.quantization.base import QuantLinear
+    from paged.quantization.gguf import GgufIntMethod
+    from paged.quantization.int4 import Int4Method
+
+    configs = []
+    real = int4_gemm.int4_gemm_split
+    monkeypatch.setattr(int4_gemm, "int4_gemm_split",
+                        lambda *a: configs.append(a[-1]) or real(*a))  # fmt: skip
+    monkeypatch.setattr(int4_gemm, "DEQUANT_MIN_ROWS", 6)
+    methods = (Int4Method("awq", 32), GgufIntMethod(4), GgufIntMethod(8, with_mins=False))
+    config = (16, 16, 128, 2, 4)
+    for method in methods:
+        group_k, bits = 32, getattr(method, "bits", 4)
+        lin = QuantLinear(64, 24, True, method)
+        assert code_bits(lin) == bits
+        codes, scales, zeros, mins, g = _weights(24, 64, group_k, hasattr(lin, "mins"), 5, bits)
+        with torch.no_grad():
+            lin.codes.copy_(codes), lin.scales.copy_(scales), lin.zeros.copy_(zeros)
+            lin.bias.normal_(generator=g)
+            if mins is not None:
+                lin.mins.copy_(mins)
+        lin.to(device)
+        lin.forward = int4_gemm.Int4TunedGemm(lin, config if bits == 4 else (16, 16, 64, 2, 4))
+        configs.clear()
+        with torch.no_grad():
+            for shape in ((1, 64), (1, 1, 64), (2, 2, 64), (5, 64), (6, 64)):
+                x = torch.randn(*shape, generator=g)
+                reference = ref.int4_linear if bits == 4 else ref.int8_linear
+                want = reference(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
+                _close(lin(x.to(device)).cpu(), want, 2e-3)
+        assert len(configs) == 4 and None not in configs  # six rows: dequantized

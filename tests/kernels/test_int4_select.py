@@ -1,4 +1,4 @@
-"""The CUDA plugin's measured choice between the unsplit and the split-K int4 decode GEMV
+"""The CUDA plugin's measured choice of the split-K int4 GEMM's config for few rows
 (paged_cuda.int4_select): the candidate configs, and which linears it times, by shape. The
 choice itself is gemv_select.choose (tests/kernels/test_fp8_select.py); on a GPU the timings
 are real: `paged bench latency --quantization awq` logs each shape's choice."""
@@ -19,17 +19,19 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("sms", [132, 84])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_candidates_fill_the_gpu_with_whole_slices(n, k, sms, bits):
+    from paged.kernels.int4_gemm_split import default_config
+
     got = int4_select.candidates(n, k, sms, bits)
-    assert len(got) == len(set(got)) <= 24
-    for block_n, block_k, split, warps in got:
+    assert len(got) == len(set(got)) <= 16 and default_config(1, n, k, bits) not in got
+    for block_m, block_n, block_k, split, warps in got:
         per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k  # whole BLOCK_K steps
         assert sms <= triton.cdiv(n, block_n) * split <= 16 * sms and warps == 4
         assert per * (split - 1) < k  # no empty slice
-        assert block_n * block_k * bits // 32 <= int4_select.MAX_TILE_WORDS
+        assert block_m == 16 and block_k * bits // 32 in (16, 32)  # K steps of 16 / 32 words
     if (n, k) in LLAMA_8B:
         assert got
     if n == 4096:  # o_proj, down: K split, the outputs alone fill the GPU too few times
-        assert any(c[2] > 1 for c in got)
+        assert all(c[3] > 1 for c in got)
 
 
 def test_choose_keeps_the_group_in_the_key():

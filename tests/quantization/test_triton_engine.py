@@ -41,36 +41,37 @@ def test_fp8_triton_gemm_in_the_engine(tiny_models, triton_linears):
     assert prompt_logprob_drift(llm, PROMPT, hf_logprobs(path, PROMPT, fp8="channel")) < MATCH
 
 
-def test_int4_triton_gemm_and_gemv_in_the_engine(int4_models, triton_linears):
+def test_int4_triton_linears_in_the_engine(int4_models, triton_linears):
     llm = LLM(int4_models["gptq"], dtype="float32", kv_cache_memory="16MiB")
-    prompt = list(range(3, 40, 3))  # prefill: the GEMM; decode steps: the GEMV
+    prompt = list(range(3, 120, 3))  # prefill (39 rows): dequantized; decode: the split GEMM
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     hf = tf.AutoModelForCausalLM.from_pretrained(int4_models["gptq-ref"], dtype=torch.float32)
     assert got == hf_greedy(hf.eval(), prompt, 8)
 
 
-def test_int4_split_gemv_in_the_engine(int4_models, monkeypatch):
-    """Every int4 linear on the split-K GEMV for one-row inputs (as if start-up timing chose it
-    for every shape, paged_cuda.int4_select): the decode steps run it, the prefill the GEMM,
-    and greedy output equals HF's on the dequantized model."""
-    from paged.kernels import int4_gemv
+def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
+    """Every int4 linear on a tuned split-GEMM config (as if start-up timing chose one for every
+    shape, paged_cuda.int4_select): the prefill and the decode steps run it, and greedy output
+    equals HF's on the dequantized model."""
+    from paged.kernels import int4_gemm
     from paged.quantization.base import QuantLinear
 
-    class SplitInt4OnCpu(TritonLinearsOnCpu):
-        name = "int4-split-on-cpu"
+    config = (16, 16, 128, 3, 4)
 
-        def prepare_model(self, model, config, source=None) -> None:
-            super().prepare_model(model, config, source)
-            counters = torch.zeros(64, dtype=torch.int32)
+    class TunedInt4OnCpu(TritonLinearsOnCpu):
+        name = "int4-tuned-on-cpu"
+
+        def prepare_model(self, model, config_, source=None) -> None:
+            super().prepare_model(model, config_, source)
             for mod in model.modules():
                 if isinstance(mod, QuantLinear):
-                    mod.forward = int4_gemv.Int4SplitGemv(mod, (16, 64, 3, 4), counters)
+                    mod.forward = int4_gemm.Int4TunedGemm(mod, config)
 
-    use_platform(monkeypatch, SplitInt4OnCpu())
+    use_platform(monkeypatch, TunedInt4OnCpu())
     rows = []
-    real = int4_gemv.int4_gemv_split
-    monkeypatch.setattr(int4_gemv, "int4_gemv_split", lambda x, *a: rows.append(len(x))
+    real = int4_gemm.int4_gemm_split
+    monkeypatch.setattr(int4_gemm, "int4_gemm_split", lambda x, *a: rows.append((len(x), a[-1]))
                         or real(x, *a))  # fmt: skip
     llm = LLM(int4_models["awq"], dtype="float32", kv_cache_memory="16MiB")
     prompt = list(range(3, 40, 3))
@@ -79,4 +80,4 @@ def test_int4_split_gemv_in_the_engine(int4_models, monkeypatch):
     hf = tf.AutoModelForCausalLM.from_pretrained(int4_models["awq-ref"], dtype=torch.float32)
     assert got == hf_greedy(hf.eval(), prompt, 6)
     layers = len(llm.engine.runner.model.layers)
-    assert len(rows) == 5 * 4 * layers and set(rows) == {1}  # 5 decode steps, 4 linears a layer
+    assert rows == [(len(prompt), config)] * 4 * layers + [(1, config)] * 5 * 4 * layers

@@ -1,14 +1,12 @@
-"""Measured config for int4 linears at one row (batch-1 decode of AWQ / GPTQ checkpoints and of
-a GGUF's Q4 / Q8_0 blocks kept 4- / 8-bit on the GPU).
+"""Measured configs for int4 linears of few rows (decode of AWQ / GPTQ checkpoints and of a
+GGUF's Q4 / Q8_0 blocks kept 4- / 8-bit on the GPU).
 
-Those run paged's unsplit int4 GEMV (paged.kernels.int4_gemm): 32 outputs a program over the
-whole of K, which leaves the memory mostly idle (177 GB/s on an H200 for Llama-3.1-8B's
-projections). At start-up, for each int4 weight shape among the model's linears, the unsplit
-kernel and the split-K int4 GEMV (paged.kernels.int4_gemv) under a few configurations are timed
-at one row, each in a CUDA graph over every weight of that shape (so they come from HBM, as in
-a decode step); a shape whose best split config beats the unsplit kernel by
-gemv_select.MARGIN runs it for inputs of up to four rows (the unsplit kernel's range). A shape
-is (n, k, group, with mins, code bits).
+Those run paged's split-K int4 GEMM (paged.kernels.int4_gemm_split) on a default config picked
+from the shape alone. At start-up, for each int4 weight shape among the model's linears, the
+default and a few other configs are timed at one row, each in a CUDA graph over every weight of
+that shape (so they come from HBM, as in a decode step); a shape whose best config beats the
+default by gemv_select.MARGIN runs it for every input of fewer than DEQUANT_MIN_ROWS rows. A
+shape is (n, k, group, with mins, code bits).
 """
 
 from __future__ import annotations
@@ -19,37 +17,32 @@ import torch
 import triton
 from torch import nn
 
-from paged.kernels.int4_gemm import int4_linear
-from paged.kernels.int4_gemv import (
-    Config,
-    Int4SplitGemv,
-    code_bits,
-    int4_gemv_split,
-    split_counters,
-)
+from paged.kernels.int4_gemm import Int4TunedGemm, int4_linear
+from paged.kernels.int4_gemm_split import COUNTER_SLOTS, Config, code_bits, default_config
 from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
 
-MAX_TILE_WORDS = 2048  # code words a program holds a step (16 registers a lane at 4 warps)
 Shape = tuple[int, int, int, bool, int]  # (n, k, group, with mins, code bits)
 
 
 def candidates(n: int, k: int, sms: int, bits: int = 4) -> list[Config]:
-    """(BLOCK_N, BLOCK_K, SPLIT, warps) to try for an int4 (`bits` 8: int8) weight of n outputs
-    and k inputs on a GPU of `sms` SMs: enough programs to fill the SMs one to sixteen times
-    over, each slice of K at least one BLOCK_K step and none empty."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps) to try for an int4 (`bits` 8: int8) weight of
+    n outputs and k inputs on a GPU of `sms` SMs, one block of 16 rows: 64 or 128 outputs, K
+    steps of 16 or 32 code words, enough programs to fill the SMs one to sixteen times over,
+    each slice of K at least one step and none empty; the default config excepted."""
     out = []
-    for block_n in (8, 16, 32):
-        blocks = triton.cdiv(n, block_n)
-        for block_k in (256, 512) if bits == 4 else (128, 256):
-            if block_n * block_k * bits // 32 > MAX_TILE_WORDS:
-                continue
+    default = default_config(1, n, k, bits)
+    for block_n in (64, 128):
+        tiles = triton.cdiv(n, block_n)
+        for block_k in (16 * 32 // bits, 32 * 32 // bits):
             for split in (1, 2, 4, 8):
                 per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-                if not sms <= blocks * split <= 16 * sms or per * (split - 1) >= k:
+                if not sms <= tiles * split <= 16 * sms or per * (split - 1) >= k:
                     continue
-                out.append((block_n, block_k, split, 4))
+                config = (16, block_n, block_k, split, 4)
+                if config != default and tiles <= COUNTER_SLOTS:
+                    out.append(config)
     return out
 
 
@@ -70,8 +63,9 @@ def int4_linears(model: nn.Module) -> dict[Shape, list[nn.Module]]:
     return shapes
 
 
-def use_measured_int4_gemv(model: nn.Module) -> None:
-    """Time and install the split int4 GEMV per weight shape where it beats the unsplit one."""
+def use_measured_int4_gemm(model: nn.Module) -> None:
+    """Time and install the split int4 GEMM's best config per weight shape where it beats the
+    default one."""
     shapes = int4_linears(model)
     if not shapes:
         return
@@ -79,32 +73,28 @@ def use_measured_int4_gemv(model: nn.Module) -> None:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     dtype = model_dtype(model)
     xs = {key[1]: torch.randn(1, key[1], device=device, dtype=dtype) for key in shapes}
-    most = max((split_counters(key[0], c) for key in shapes
-                for c in candidates(key[0], key[1], sms, key[4])), default=1)  # fmt: skip
-    counters = torch.zeros(most, dtype=torch.int32, device=device)
 
     def args(mod: nn.Module) -> tuple:
-        return mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias, getattr(mod, "mins", None)
+        return (mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,
+                getattr(mod, "mins", None), code_bits(mod))  # fmt: skip
 
-    def time_unsplit(mods: list[nn.Module]) -> float:
+    def time_default(mods: list[nn.Module]) -> float:
         x = xs[mods[0].in_features]
-        return graph_time([lambda m=m: int4_linear(x, *args(m), code_bits(m)) for m in mods])
+        return graph_time([lambda m=m: int4_linear(x, *args(m)) for m in mods])
 
-    def time_split(mods: list[nn.Module], config: Config) -> float:
+    def time_config(mods: list[nn.Module], config: Config) -> float:
         x = xs[mods[0].in_features]
-        calls = [lambda m=m: int4_gemv_split(x, *args(m), config, counters, code_bits(m))
-                 for m in mods]  # fmt: skip
-        return graph_time_or_inf(calls)
+        return graph_time_or_inf([lambda m=m: int4_linear(x, *args(m), config) for m in mods])
 
     def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
         return candidates(n, k, sms, bits)
 
     with torch.inference_mode():
-        chosen = choose(shapes, configs, time_unsplit, time_split)
+        chosen = choose(shapes, configs, time_default, time_config)
     for key, (config, best, base) in chosen.items():
         for mod in shapes[key]:
-            mod.forward = Int4SplitGemv(mod, config, counters)
-        log.info("int%d linears %dx%d, group %d (%d): split-K GEMV %s %.1f us, unsplit %.1f us",
+            mod.forward = Int4TunedGemm(mod, config)
+        log.info("int%d linears %dx%d, group %d (%d): split-K GEMM %s %.1f us, default %.1f us",
                  key[4], key[0], key[1], key[2], len(shapes[key]), config, best * 1e6,
                  base * 1e6)  # fmt: skip
     torch.cuda.synchronize()

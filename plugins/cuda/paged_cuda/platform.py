@@ -27,9 +27,9 @@ class CudaPlatform(AcceleratorPlatform):
             "cuda_tuned_gemv",
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
             "where timing both at start-up finds it faster than cuBLAS, fp8 linears of up to "
-            "four rows on the split-K fp8 GEMV and int4 linears (AWQ, GPTQ, GGUF blocks) likewise "
-            "on the split-K int4 GEMV where they beat the unsplit ones; off: cuBLAS and the "
-            "unsplit fp8 and int4 GEMVs always",
+            "four rows on the split-K fp8 GEMV where they beat the unsplit one, and int4 linears "
+            "(AWQ, GPTQ, GGUF blocks) on the split-K int4 GEMM config that times fastest per "
+            "shape; off: cuBLAS, the unsplit fp8 GEMV and the int4 GEMM's default configs",
             True,
         ),
         PlatformOption(
@@ -72,9 +72,9 @@ class CudaPlatform(AcceleratorPlatform):
             from paged_cuda.fp8_select import use_measured_fp8_gemv
 
             use_measured_fp8_gemv(model)
-            from paged_cuda.int4_select import use_measured_int4_gemv
+            from paged_cuda.int4_select import use_measured_int4_gemm
 
-            use_measured_int4_gemv(model)
+            use_measured_int4_gemm(model)
             self.empty_cache()  # the timing graphs' memory
 
     def ops(self):
