@@ -1,7 +1,8 @@
 """Quantized weights on one GPU (issue 15), Llama-3.1-8B shape, random weights, same run:
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
-        [--gemm-rows 1,4,16,32,64,256] [--sweep] [--skip-gemm] [--skip-engine] [--gguf default]
+        [--gemm-rows 1,4,16,32,64,256] [--sweep int4,int8] [--skip-gemm] [--skip-engine]
+        [--gguf default]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
@@ -10,8 +11,8 @@
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
    int4_linear (AWQ/GPTQ layout, group 128: the split-K int4 GEMM below DEQUANT_MIN_ROWS, the
    weight dequantized + cuBLAS from there) and the same on GGUF Q8_0's 8-bit layout, and both
-   int4 paths at every row count (the split GEMM on its default config); `--sweep`: also the
-   split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
+   int4 paths at every row count (the split GEMM on its default config); `--sweep int4,int8`: also
+   the split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -67,6 +68,21 @@ def int4_gemm_split_calls(weights: list[dict], m: int):
     return _fastest(weights, m, "codes", configs, call, "int4 split-K GEMM")
 
 
+def int8_gemm_split_calls(weights: list[dict], m: int):
+    """GGUF Q8_0's 8-bit linear of m rows on the split-K GEMM, each shape on its fastest config
+    of a sweep (64 / 128 outputs, K steps of 16 / 32 code words, SPLIT 2-8)."""
+    from paged.kernels.int4_gemm_split import int4_gemm_split
+
+    def configs(n: int, k: int) -> list[tuple]:
+        return [(16, bn, bk, split, 4) for bn in (64, 128) for bk in (64, 128)
+                for split in (2, 4, 8)]  # fmt: skip
+
+    def call(w, a, config):
+        return int4_gemm_split(a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8, config)
+
+    return _fastest(weights, m, "codes8", configs, call, "int8 split-K GEMM")
+
+
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
@@ -96,7 +112,7 @@ def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: 
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
-def gemm_bench(rows: list[int], sweep: bool) -> list[dict]:
+def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
     from torch.nn import functional as F
     from triton.testing import do_bench_cudagraph
 
@@ -118,8 +134,12 @@ def gemm_bench(rows: list[int], sweep: bool) -> list[dict]:
         codes8 = pack_int4(torch.randint(0, 256, (n, k), device=dev, generator=gen), 8)
         sc8 = torch.rand(n, k // 32, device=dev, generator=gen) * 0.0003 + 0.0001
         z8 = torch.full((n, k // 32), 128, dtype=torch.uint8, device=dev)
+        # GGUF Q4_1's: 4-bit codes, a scale and a min per 32 columns, code * d + m
+        sc32 = torch.rand(n, k // 32, device=dev, generator=gen) * 0.004 + 0.002
+        z32 = torch.zeros((n, k // 32), dtype=torch.uint8, device=dev)
+        m32 = torch.randn(n, k // 32, device=dev, generator=gen) * 0.01
         weights.append(dict(w=w, q=q, s=s, codes=codes, sc=sc, z=z, codes8=codes8, sc8=sc8,
-                            z8=z8, k=k))  # fmt: skip
+                            z8=z8, sc32=sc32, z32=z32, m32=m32, k=k))  # fmt: skip
     layer_bytes = {"bf16": sum(2 * n * k for _, n, k in LAYER)}
     layer_bytes["fp8"] = layer_bytes["bf16"] // 2
     layer_bytes["int4"] = sum(n * k // 2 + n * (k // 128) * 5 for _, n, k in LAYER)
@@ -151,7 +171,19 @@ def gemm_bench(rows: list[int], sweep: bool) -> list[dict]:
             a, dequantize(w["codes"], w["sc"], w["z"], 128, None, 4, bf16))))  # fmt: skip
         variants["int8 split-K GEMM (default)"] = ("int8", layer(lambda w, a, aq: int4_gemm_split(
             a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8)))  # fmt: skip
-        if sweep:
+        variants["int8 dequantized + cuBLAS"] = ("int8", layer(lambda w, a, aq: F.linear(
+            a, dequantize(w["codes8"], w["sc8"], w["z8"], 32, None, 8, bf16))))  # fmt: skip
+        variants["int4 GGUF Q4_1 (group 32, mins)"] = ("int4", layer(lambda w, a, aq: int4_linear(
+            a, w["codes"], w["sc32"], w["z32"], 32, None, w["m32"])))  # fmt: skip
+        variants["int4 GGUF Q4_1 dequantized + cuBLAS"] = ("int4", layer(
+            lambda w, a, aq: F.linear(a, dequantize(w["codes"], w["sc32"], w["z32"], 32, w["m32"],
+                                                    4, bf16))))  # fmt: skip
+        if "int8" in sweep and m == 1:
+            variants["int8 split-K GEMM (best/shape)"] = (
+                "int8",
+                layer(int8_gemm_split_calls(weights, m)),
+            )
+        if "int4" in sweep:
             variants["int4 split-K GEMM (best/shape)"] = (
                 "int4",
                 layer(int4_gemm_split_calls(weights, m)),
@@ -348,7 +380,11 @@ def main() -> int:
     a("--variants", default="none,fp8,awq", help="--quantization values; none = bf16")
     a("--gemm-rows", default="1,4,16,32,64,256")
     a("--skip-gemm", action="store_true")
-    a("--sweep", action="store_true", help="also the split int4 GEMM's best config per shape")
+    a(
+        "--sweep",
+        default="",
+        help="int4,int8: also the split GEMM's best config per shape of a sweep (int8: at one row)",
+    )
     a("--skip-engine", action="store_true")
     a("--lat-input", type=int, default=128)
     a("--lat-output", type=int, default=128)

@@ -54,10 +54,10 @@ def test_default_config_splits_small_grids_only():
     from paged.kernels.int4_gemm_split import default_config
 
     assert default_config(1, 6144, 4096, 4) == (16, 64, 128, 8, 4)  # 96 tiles -> 768 programs
-    assert default_config(8, 28672, 4096, 4) == (16, 64, 128, 2, 4)  # 448 tiles -> 896
-    assert default_config(256, 28672, 4096, 4)[3] == 1  # 1792 tiles: no split
-    assert default_config(20, 4096, 256, 4)[3] == 1  # slices would be < 4 steps
-    assert default_config(20, 64, 4096, 8)[:3] == (32, 64, 64)
+    assert default_config(2, 28672, 4096, 4) == (16, 64, 128, 2, 4)  # 448 tiles -> 896
+    assert default_config(16, 28672, 4096, 4) == (16, 128, 128, 8, 4)  # more rows: 128 wide
+    assert default_config(8, 4096, 256, 4)[3] == 1  # slices would be < 4 steps
+    assert default_config(1, 64, 4096, 8)[:3] == (16, 64, 64)  # 8-bit: 64 columns a step
 
 
 def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int = 4):
@@ -111,10 +111,12 @@ def test_an_empty_slice_reads_no_scale_past_the_row(device):
     _close(got.cpu(), want, 2e-3)
 
 
-def test_the_tuned_forward_takes_rows_below_the_dequantized_path(device, monkeypatch):
-    """Int4TunedGemm on an AWQ-style QuantLinear and GGUF ones (4-bit with mins, 8-bit): inputs
-    of fewer than DEQUANT_MIN_ROWS rows, of any leading shape, go through the split GEMM on its
-    config, more rows through the layer's own forward (the weight dequantized)."""
+def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch):
+    """Int4TunedGemm on an AWQ-style QuantLinear (groups of 128) and GGUF ones (4-bit with
+    mins, 8-bit; groups of 32): inputs of up to TUNED_MAX_ROWS rows, of any leading shape, go
+    through int4_linear with the config, more rows through the layer's own forward (its
+    platform's op: here the CPU's torch reference). int4_linear runs the split GEMM for the
+    groups of 128 and dequantizes GGUF's narrower groups."""
     from paged.kernels import int4_gemm
     from paged.kernels.int4_gemm_split import code_bits
     from paged.quantization.base import QuantLinear
@@ -125,26 +127,26 @@ def test_the_tuned_forward_takes_rows_below_the_dequantized_path(device, monkeyp
     real = int4_gemm.int4_gemm_split
     monkeypatch.setattr(int4_gemm, "int4_gemm_split",
                         lambda *a: configs.append(a[-1]) or real(*a))  # fmt: skip
-    monkeypatch.setattr(int4_gemm, "DEQUANT_MIN_ROWS", 6)
-    methods = (Int4Method("awq", 32), GgufIntMethod(4), GgufIntMethod(8, with_mins=False))
-    config = (16, 16, 128, 2, 4)
-    for method in methods:
-        group_k, bits = 32, getattr(method, "bits", 4)
-        lin = QuantLinear(64, 24, True, method)
+    assert int4_gemm.TUNED_MAX_ROWS == 4
+    methods = ((Int4Method("awq", 128), 128), (GgufIntMethod(4), 32),
+               (GgufIntMethod(8, with_mins=False), 32))  # fmt: skip
+    for method, group_k in methods:
+        bits = getattr(method, "bits", 4)
+        lin = QuantLinear(256, 24, True, method)
         assert code_bits(lin) == bits
-        codes, scales, zeros, mins, g = _weights(24, 64, group_k, hasattr(lin, "mins"), 5, bits)
+        codes, scales, zeros, mins, g = _weights(24, 256, group_k, hasattr(lin, "mins"), 5, bits)
         with torch.no_grad():
             lin.codes.copy_(codes), lin.scales.copy_(scales), lin.zeros.copy_(zeros)
             lin.bias.normal_(generator=g)
             if mins is not None:
                 lin.mins.copy_(mins)
         lin.to(device)
-        lin.forward = int4_gemm.Int4TunedGemm(lin, config if bits == 4 else (16, 16, 64, 2, 4))
+        lin.forward = int4_gemm.Int4TunedGemm(lin, (16, 16, 128, 2, 4))
         configs.clear()
         with torch.no_grad():
-            for shape in ((1, 64), (1, 1, 64), (2, 2, 64), (5, 64), (6, 64)):
+            for shape in ((1, 256), (1, 1, 256), (2, 2, 256), (5, 256)):
                 x = torch.randn(*shape, generator=g)
                 reference = ref.int4_linear if bits == 4 else ref.int8_linear
                 want = reference(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
                 _close(lin(x.to(device)).cpu(), want, 2e-3)
-        assert len(configs) == 4 and None not in configs  # six rows: dequantized
+        assert configs == ([(16, 16, 128, 2, 4)] * 3 if group_k == 128 else [])

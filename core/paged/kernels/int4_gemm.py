@@ -8,11 +8,16 @@ reference rounds the product and the sum.
 Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, K/4], bits
 8*(k%4) of word k//4), scales float32 and zeros uint8 [N, K/group]: one output channel's codes
 are contiguous. Up to DEQUANT_MIN_ROWS rows (decode batches, batch 1 included):
-`int4_gemm_split`, a split-K GEMM that dequantizes each weight tile once for the tensor cores.
-More rows: the weight dequantized whole by `_dequant_kernel` (the reference's values), then the
+`int4_gemm_split`, a split-K GEMM that dequantizes each weight tile once for the tensor cores,
+where its K step (16 code words) lies in one group (AWQ / GPTQ's groups of 128 with 4-bit
+codes). More rows, or groups narrower than the step (GGUF's groups of 32: a scale, zero and
+min per word make the split GEMM slower than dequantizing, 721 against 532 us a layer for
+Q4_1 and 708 against 510 for Q8_0 at one row on an H100): the weight dequantized whole by
+`_dequant_kernel` (the reference's values), then the
 platform's GEMM (F.linear), as vLLM does for AWQ batches: on an H100 (Llama-3.1-8B's
 projections) that took 394 us a layer at 16 rows and 435 us at 256, against the split GEMM's
-159 us at 16 rows; the dequantization reads half a byte and writes two a weight.
+159 us at 16 rows and 566 us at 24; the dequantization reads half a byte and writes two a
+weight.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from paged.kernels.int4_gemm_split import Config, code_bits, int4_gemm_split
+from paged.kernels.int4_gemm_split import Config, code_bits, int4_gemm_split, steps_in_one_group
 
-DEQUANT_MIN_ROWS = 32  # from here: the weight dequantized, then F.linear
+DEQUANT_MIN_ROWS = 17  # from here: the weight dequantized, then F.linear
+TUNED_MAX_ROWS = 4  # Int4TunedGemm's config (timed at one row) serves decode batches up to this
 
 
 @triton.jit
@@ -101,8 +107,7 @@ def int4_linear(
     config: Config | None = None,
 ) -> torch.Tensor:
     """The `int4_linear` op on the device (`bits` 8: `int8_linear`): x [..., K] -> [..., N] in
-    x's dtype. `config`: the split GEMM's, for fewer than DEQUANT_MIN_ROWS rows (None: its
-    default for the shape)."""
+    x's dtype. `config`: the split GEMM's (None: its default for the shape)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -110,7 +115,7 @@ def int4_linear(
     n = scales.shape[0]
     if group_k < 16 or group_k & (group_k - 1):
         raise ValueError(f"int{bits}: group of {group_k} columns is not a power of 2 >= 16")
-    if x2.shape[0] >= DEQUANT_MIN_ROWS:
+    if x2.shape[0] >= DEQUANT_MIN_ROWS or not steps_in_one_group(group_k, bits):
         w = dequantize(codes, scales, zeros, group_k, mins, bits, x.dtype)
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x2, w, b).view(*shape[:-1], n)
@@ -119,16 +124,16 @@ def int4_linear(
 
 
 class Int4TunedGemm:
-    """An int4 QuantLinear's forward with its split GEMM on `config` for fewer than
-    DEQUANT_MIN_ROWS rows (a measured choice: the CUDA plugin's int4_select installs it per
-    weight shape), the layer's own forward otherwise."""
+    """An int4 QuantLinear's forward with its split GEMM on `config` for up to TUNED_MAX_ROWS
+    rows (a measured choice at one row: the CUDA plugin's int4_select installs it per weight
+    shape), the layer's own forward otherwise."""
 
     def __init__(self, mod: torch.nn.Module, config: Config) -> None:
         self.mod, self.config = mod, config
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mod = self.mod
-        if x.numel() >= DEQUANT_MIN_ROWS * x.shape[-1]:
+        if x.numel() > TUNED_MAX_ROWS * x.shape[-1]:
             return type(mod).forward(mod, x)
         return int4_linear(x, mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,
                            getattr(mod, "mins", None), code_bits(mod), self.config)  # fmt: skip

@@ -19,7 +19,8 @@ counter: one launch, graph-safe, the same sums whichever program is last.
 Measured on an H100 (Llama-3.1-8B's four projections, group 128; bench/quant_gpu.py): a
 layer's int4 linears at one row in 116 us against 165 us on a split-K GEMV and 693 us on a GEMV
 of 32 outputs a program; 126 us at 4 rows and 159 us at 16, where the whole weight
-dequantized, then cuBLAS, took 394 us.
+dequantized, then cuBLAS, took 394 us. Row blocks of 32 rows ran slower (566 us a layer at 24
+rows), so a launch takes one block of 16 rows: int4_linear dequantizes from 17.
 """
 
 from __future__ import annotations
@@ -184,18 +185,26 @@ def _code_weights(words, high, j: tl.constexpr, s, z, m, dtype: tl.constexpr,
 
 
 def default_config(m: int, n: int, k: int, bits: int) -> Config:
-    """A config for m rows: row blocks as tall as the rows (16 to 64), 64 outputs, a K step of
-    16 code words, and K split (up to 8 ways, each slice at least four steps) until the grid
-    has PROGRAMS programs, within the counters' slots. The H100 sweep's best configs for one
-    to 16 rows split 4 to 8 ways into 512-1800 programs."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    block_n, block_k = 64, 16 * 32 // bits
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    """A config for m rows (at most 16: one row block): a K step of 16 code words, and K split
+    (up to 8 ways, each slice at least four steps). Up to 4 rows (decode): 64 outputs a
+    program, K split until the grid has PROGRAMS programs; more rows: 128 outputs, K split 8
+    ways. The H100 sweep (bench/results/quant-gpu.md): at 16 rows (16, 128, 128, 8) was the
+    fastest config for each of Llama-3.1-8B's four projections; at one row 64 outputs split 4
+    to 8 ways for three of them."""
+    block_k = 16 * 32 // bits
+    block_n = 64 if m <= 4 else 128
+    tiles = triton.cdiv(n, block_n)
     split = 1
-    while (tiles * split < PROGRAMS and split < 8 and k // (2 * split) >= 4 * block_k
-           and tiles <= COUNTER_SLOTS):  # fmt: skip
+    while (split < 8 and k // (2 * split) >= 4 * block_k and tiles <= COUNTER_SLOTS
+           and (m > 4 or tiles * split < PROGRAMS)):  # fmt: skip
         split *= 2
-    return block_m, block_n, block_k, split, 4
+    return 16, block_n, block_k, split, 4
+
+
+def steps_in_one_group(group_k: int, bits: int) -> bool:
+    """Whether default_config's K step (16 code words) lies in one group of `group_k` columns:
+    one scale and zero a column, where narrower groups need them per word."""
+    return group_k >= 16 * 32 // bits
 
 
 def counters_for(device: torch.device) -> torch.Tensor:

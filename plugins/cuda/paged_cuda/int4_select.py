@@ -5,8 +5,9 @@ Those run paged's split-K int4 GEMM (paged.kernels.int4_gemm_split) on a default
 from the shape alone. At start-up, for each int4 weight shape among the model's linears, the
 default and a few other configs are timed at one row, each in a CUDA graph over every weight of
 that shape (so they come from HBM, as in a decode step); a shape whose best config beats the
-default by gemv_select.MARGIN runs it for every input of fewer than DEQUANT_MIN_ROWS rows. A
-shape is (n, k, group, with mins, code bits).
+default by gemv_select.MARGIN runs it for inputs of up to TUNED_MAX_ROWS rows. A shape is
+(n, k, group, with mins, code bits); shapes whose groups are narrower than the GEMM's K step
+(GGUF's) are dequantized instead, and not timed.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ import triton
 from torch import nn
 
 from paged.kernels.int4_gemm import Int4TunedGemm, int4_linear
-from paged.kernels.int4_gemm_split import COUNTER_SLOTS, Config, code_bits, default_config
+from paged.kernels.int4_gemm_split import (
+    COUNTER_SLOTS,
+    Config,
+    code_bits,
+    default_config,
+    steps_in_one_group,
+)
 from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
@@ -87,7 +94,7 @@ def use_measured_int4_gemm(model: nn.Module) -> None:
         return graph_time_or_inf([lambda m=m: int4_linear(x, *args(m), config) for m in mods])
 
     def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
-        return candidates(n, k, sms, bits)
+        return candidates(n, k, sms, bits) if steps_in_one_group(group, bits) else []
 
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_default, time_config)
