@@ -28,7 +28,7 @@ class CudaPlatform(AcceleratorPlatform):
             "one-row dense linears (batch-1 decode) on paged's split-K GEMV for the weight shapes "
             "where timing both at start-up finds it faster than cuBLAS, fp8 linears of up to "
             "four rows on the split-K fp8 GEMV where they beat the unsplit one, and int4 linears "
-            "(AWQ, GPTQ, GGUF blocks) on the split-K int4 GEMM config that times fastest per "
+            "(AWQ, GPTQ) of up to four rows on the split-K int4 GEMM config that times fastest per "
             "shape; off: cuBLAS, the unsplit fp8 GEMV and the int4 GEMM's default configs",
             True,
         ),
