@@ -175,6 +175,9 @@ def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
             a, dequantize(w["codes8"], w["sc8"], w["z8"], 32, None, 8, bf16))))  # fmt: skip
         variants["int4 GGUF Q4_1 (group 32, mins)"] = ("int4", layer(lambda w, a, aq: int4_linear(
             a, w["codes"], w["sc32"], w["z32"], 32, None, w["m32"])))  # fmt: skip
+        variants["int4 GGUF Q4_1 split-K GEMM (default)"] = ("int4", layer(
+            lambda w, a, aq: int4_gemm_split(a, w["codes"], w["sc32"], w["z32"], 32, None,
+                                             w["m32"], 4)))  # fmt: skip
         variants["int4 GGUF Q4_1 dequantized + cuBLAS"] = ("int4", layer(
             lambda w, a, aq: F.linear(a, dequantize(w["codes"], w["sc32"], w["z32"], 32, w["m32"],
                                                     4, bf16))))  # fmt: skip

@@ -10,14 +10,14 @@ Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, 
 are contiguous. Up to DEQUANT_MIN_ROWS rows (decode batches, batch 1 included):
 `int4_gemm_split`, a split-K GEMM that dequantizes each weight tile once for the tensor cores,
 where its K step (16 code words) lies in one group (AWQ / GPTQ's groups of 128 with 4-bit
-codes). More rows, or groups narrower than the step (GGUF's groups of 32: a scale, zero and
-min per word make the split GEMM slower than dequantizing, 721 against 532 us a layer for
-Q4_1 and 708 against 510 for Q8_0 at one row on an H100): the weight dequantized whole by
-`_dequant_kernel` (the reference's values), then the
-platform's GEMM (F.linear), as vLLM does for AWQ batches: on an H100 (Llama-3.1-8B's
-projections) that took 394 us a layer at 16 rows and 435 us at 256, against the split GEMM's
-159 us at 16 rows and 566 us at 24; the dequantization reads half a byte and writes two a
-weight.
+codes). More rows, or groups narrower than the step (GGUF's groups of 32; with a scale, zero
+and min loaded per code word the split GEMM was slower than dequantizing, 721 against 532 us a
+layer for Q4_1 and 708 against 510 for Q8_0 at one row on an H100; it now loads them once a
+group, not yet timed): the weight dequantized whole by `_dequant_kernel` (the reference's
+values), then the platform's GEMM (F.linear), as vLLM does for AWQ batches: on an H100
+(Llama-3.1-8B's projections) that took 394 us a layer at 16 rows and 435 us at 256, against
+the split GEMM's 159 us at 16 rows and 566 us at 24; the dequantization reads half a byte and
+writes two a weight.
 """
 
 from __future__ import annotations

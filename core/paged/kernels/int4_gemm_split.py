@@ -40,7 +40,7 @@ _counters: dict[torch.device, torch.Tensor] = {}
 @triton.jit
 def _int4_gemm_split_kernel(
     x_ptr, codes_ptr, scales_ptr, zeros_ptr, mins_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-    M, N, KW, G, group_w, words_per_split, stride_c, stride_x, stride_o,
+    M, N, KW, G, words_per_split, stride_c, stride_x, stride_o, GROUP_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
     BITS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
@@ -63,12 +63,12 @@ def _int4_gemm_split_kernel(
     pdl.enter(PDL)  # the weights are nobody's output: their first tile loads before the wait
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr,
-                    cols64, col_ok, w_start, w_end, G, group_w, acc, out_ptr.dtype.element_ty,
+                    cols64, col_ok, w_start, w_end, G, GROUP_W, acc, out_ptr.dtype.element_ty,
                     HAS_MIN, WORD_GROUPS, BITS, WK, EVEN, UPCAST)  # fmt: skip
     for w0 in range(w_start + WK, w_end, WK):
         words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK, EVEN)
         acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr,
-                        mins_ptr, cols64, col_ok, w0, w_end, G, group_w, acc,
+                        mins_ptr, cols64, col_ok, w0, w_end, G, GROUP_W, acc,
                         out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS, WK, EVEN,
                         UPCAST)  # fmt: skip
     mask = row_ok[:, None] & col_ok[None, :]
@@ -91,7 +91,8 @@ def _int4_gemm_split_kernel(
 
 @triton.jit
 def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr, cols64,
-              col_ok, w0, w_end, G, group_w, acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr,
+              col_ok, w0, w_end, G, GROUP_W: tl.constexpr, acc, dtype: tl.constexpr,
+              HAS_MIN: tl.constexpr,
               WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, WK: tl.constexpr,
               EVEN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] + the rows times the tile's weights: code j of word w is input
@@ -99,7 +100,7 @@ def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, min
     w_idx = w0 + tl.arange(0, WK)
     w_ok = w_idx < w_end
     s, z, m = _group_params(scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_idx, w_ok, w0,
-                            w_end, G, group_w, HAS_MIN, WORD_GROUPS, EVEN)  # fmt: skip
+                            w_end, G, GROUP_W, HAS_MIN, WORD_GROUPS, WK, EVEN)  # fmt: skip
     PER: tl.constexpr = 32 // BITS
     high = words >> 16
     x_rows = x_ptr + rows64[:, None] * stride_x
@@ -143,23 +144,33 @@ def _load(ptrs, mask, other, EVEN: tl.constexpr):
 
 @triton.jit
 def _group_params(scales_ptr, zeros_ptr, mins_ptr, cols64, col_ok, w_idx, w_ok, w0, w_end, G,
-                  group_w, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
-                  EVEN: tl.constexpr):  # fmt: skip
-    """The scales, zeros (as floats) and mins of a tile of code words, [BLOCK_N, WK] where the
-    tile spans groups (WORD_GROUPS: a group per word), else [BLOCK_N, 1]."""
+                  GROUP_W: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
+                  WK: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """The scales, zeros (as floats) and mins of a tile of code words (GROUP_W words a group),
+    [BLOCK_N, WK] where the tile spans groups (WORD_GROUPS: each of its WK / GROUP_W groups
+    loaded once, then repeated over its words in registers), else [BLOCK_N, 1]."""
     if WORD_GROUPS:
-        at = cols64[:, None] * G + (w_idx // group_w)[None, :]
-        ok = col_ok[:, None] & w_ok[None, :]
-        s = _load(scales_ptr + at, ok, 0.0, EVEN)
-        z = _load(zeros_ptr + at, ok, 0, EVEN)
-        m = _load(mins_ptr + at, ok, 0.0, EVEN) if HAS_MIN else s
-    else:  # the tile lies in one group (WK divides group_w)
-        at = cols64 * G + w0 // group_w
+        GS: tl.constexpr = WK // GROUP_W  # groups a step (a step starts on a group)
+        gi = w0 // GROUP_W + tl.arange(0, GS)
+        at = cols64[:, None] * G + gi[None, :]
+        ok = col_ok[:, None] & (gi * GROUP_W < w_end)[None, :]
+        s = _per_word(_load(scales_ptr + at, ok, 0.0, EVEN), GS, GROUP_W)
+        z = _per_word(_load(zeros_ptr + at, ok, 0, EVEN), GS, GROUP_W)
+        m = _per_word(_load(mins_ptr + at, ok, 0.0, EVEN), GS, GROUP_W) if HAS_MIN else s
+    else:  # the tile lies in one group (WK divides GROUP_W)
+        at = cols64 * G + w0 // GROUP_W
         ok = col_ok & (cols64 * 0 + w0 < w_end)  # an empty slice (past the row) reads no group
         s = _load(scales_ptr + at, ok, 0.0, EVEN)[:, None]
         z = _load(zeros_ptr + at, ok, 0, EVEN)[:, None]
         m = _load(mins_ptr + at, ok, 0.0, EVEN)[:, None] if HAS_MIN else s
     return s, z.to(tl.float32), m
+
+
+@triton.jit
+def _per_word(v, GS: tl.constexpr, GROUP_W: tl.constexpr):
+    """[BLOCK_N, GS] per group -> [BLOCK_N, GS * GROUP_W] per word."""
+    rep = tl.broadcast_to(v[:, :, None], (v.shape[0], GS, GROUP_W))
+    return tl.reshape(rep, (v.shape[0], GS * GROUP_W))
 
 
 @triton.jit
@@ -251,10 +262,10 @@ def int4_gemm_split(
     _int4_gemm_split_kernel[(tiles_m, triton.cdiv(n, block_n), split)](
         x, codes, scales, zeros, mins if mins is not None else scales,
         bias if bias is not None else out, out, part, counters, m, n, k // per_word, groups,
-        group_k // per_word, per // per_word, codes.stride(0), x.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_MIN=mins is not None, WORD_GROUPS=block_k > group_k,
-        BITS=bits, SPLIT=split, UPCAST=upcast, BLOCK_M=block_m, BLOCK_N=block_n,
-        WK=block_k // per_word,
+        per // per_word, codes.stride(0), x.stride(0), out.stride(0),
+        GROUP_W=group_k // per_word, HAS_BIAS=bias is not None, HAS_MIN=mins is not None,
+        WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split, UPCAST=upcast, BLOCK_M=block_m,
+        BLOCK_N=block_n, WK=block_k // per_word,
         EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
         num_warps=warps, enable_fp_fusion=mins is None, **pdl.launch(),
     )  # fmt: skip
