@@ -58,7 +58,8 @@ def test_bench_serve(cli, server_url, tmp_path):
     assert data["total_output_tokens"] == 24  # ignore_eos + max_tokens honoured
     assert data["total_input_tokens"] == 72  # token-id prompts of exactly 12 tokens
     assert data["p99_ttft_ms"] >= data["p50_ttft_ms"] > 0
-    assert data["median_itl_ms"] > 0 and data["model"] == "tiny"
+    # events read together from the socket share one arrival time: an ITL may be 0 on a busy host
+    assert data["p99_itl_ms"] >= data["median_itl_ms"] >= 0 and data["model"] == "tiny"
 
 
 def test_bench_serve_dataset(cli, server_url, tmp_path):
