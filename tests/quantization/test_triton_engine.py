@@ -57,7 +57,7 @@ def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
     from paged.kernels import int4_gemm
     from paged.quantization.base import QuantLinear
 
-    config = (16, 16, 128, 3, 4)
+    config = (16, 64, 128, 2, 4)  # K split: two slices of the 256 / 512 columns
 
     class TunedInt4OnCpu(TritonLinearsOnCpu):
         name = "int4-tuned-on-cpu"
