@@ -92,9 +92,8 @@ def _int4_gemm_split_kernel(
 @triton.jit
 def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr, cols64,
               col_ok, w0, w_end, G, GROUP_W: tl.constexpr, acc, dtype: tl.constexpr,
-              HAS_MIN: tl.constexpr,
-              WORD_GROUPS: tl.constexpr, BITS: tl.constexpr, WK: tl.constexpr,
-              EVEN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+              HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, BITS: tl.constexpr,
+              WK: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] + the rows times the tile's weights: code j of word w is input
     column PER w + j, so code j's weights [BLOCK_N, WK] meet columns j, j + PER, ..."""
     w_idx = w0 + tl.arange(0, WK)
