@@ -56,10 +56,10 @@ def stats(name: str, seconds: list[float]) -> dict[str, float]:
 
 def save_json(path: str, args: argparse.Namespace, metrics: dict) -> None:
     """All figures, plus the command line and arguments that produced them."""
-    plain = {k: _plain(v) for k, v in vars(args).items() if not callable(v)}
+    plain = {k: _plain(v) for k, v in vars(args).items() if not callable(v) and k[0] != "_"}
     record = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": shlex.join(["paged", *sys.argv[1:]]),
+        "command": shlex.join(["paged", *getattr(args, "_argv", sys.argv[1:])]),
         "args": plain,
         **metrics,
     }

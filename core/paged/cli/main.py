@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    args._argv = argv  # the command line as given (bench results record it)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
