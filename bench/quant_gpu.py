@@ -48,16 +48,18 @@ def int4_gemm_split_calls(weights: list[dict], m: int):
     """The int4 linear of m rows on the split-K tensor-core GEMM, each shape on its fastest
     config of a small sweep (block rows from m, 64 / 128 outputs, K steps of 128 / 256, SPLIT
     1-8): what `int4_gemm_split.default_config` should pick."""
+    import triton
+
     from paged.kernels.int4_gemm_split import int4_gemm_split
 
-    block_m = min(128, max(16, triton_p2(m)))
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
 
     def configs(n: int, k: int) -> list[tuple]:
         out = []
         for block_n in (64, 128):
             for block_k in (128, 256) if m <= 64 else (128,):
                 for split in (1, 2, 4, 8):
-                    per = cdiv(cdiv(k, split), block_k) * block_k
+                    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
                     if per * (split - 1) < k:
                         out.append((block_m, block_n, block_k, split, 8 if block_m > 64 else 4))
         return out
@@ -81,14 +83,6 @@ def int8_gemm_split_calls(weights: list[dict], m: int):
         return int4_gemm_split(a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8, config)
 
     return _fastest(weights, m, "codes8", configs, call, "int8 split-K GEMM")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
-def triton_p2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: str):

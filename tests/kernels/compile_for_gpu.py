@@ -172,7 +172,7 @@ def quantized_linears() -> None:
                                       (20, 32, (32, 64, 128, 2, 4), 4),
                                       (1, 32, (16, 64, 64, 4, 4), 8)):  # fmt: skip
         # the int4 GEMM split over K (paged_cuda.int4_select's configs); GGUF's groups of 32
-        # with mins: a scale per word; 8-bit codes (GGUF Q8_0)
+        # with mins: tiles spanning groups; 8-bit codes (GGUF Q8_0)
         groups = k // group
         int4_gemm_split(t(rows, k), t(n, k * bits // 32, dtype=torch.int32),
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,

@@ -203,7 +203,7 @@ def default_config(m: int, n: int, k: int, bits: int) -> Config:
     to 8 ways for three of them."""
     block_k = 16 * 32 // bits
     block_n = 64 if m <= 4 else 128
-    tiles = triton.cdiv(n, block_n)
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)  # a ticket counter each when split
     split = 1
     while (split < 8 and k // (2 * split) >= 4 * block_k and tiles <= COUNTER_SLOTS
            and (m > 4 or tiles * split < PROGRAMS)):  # fmt: skip

@@ -19,13 +19,7 @@ import triton
 from torch import nn
 
 from paged.kernels.int4_gemm import Int4TunedGemm, int4_linear
-from paged.kernels.int4_gemm_split import (
-    COUNTER_SLOTS,
-    Config,
-    code_bits,
-    default_config,
-    steps_in_one_group,
-)
+from paged.kernels.int4_gemm_split import Config, code_bits, default_config, steps_in_one_group
 from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
@@ -48,7 +42,7 @@ def candidates(n: int, k: int, sms: int, bits: int = 4) -> list[Config]:
                 if not sms <= tiles * split <= 16 * sms or per * (split - 1) >= k:
                     continue
                 config = (16, block_n, block_k, split, 4)
-                if config != default and tiles <= COUNTER_SLOTS:
+                if config != default:
                     out.append(config)
     return out
 
