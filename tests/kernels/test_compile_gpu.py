@@ -40,10 +40,12 @@ def test_every_kernel_compiles_for_sm90():
     routed = {line.split()[1] for line in lines if "('ROUTE', True)" in line}
     assert routed == {"_pair_gemv", "_down_gemv_sum"}  # the decode GEMVs' inline routing
     normed = {line.split()[1] for line in lines if "('NORM', True)" in line}
-    assert normed == {"_gemv_split_k_kernel", "_pair_gemv"}  # the norm folded into GEMVs
+    # the norm folded into GEMVs (bf16, fp8, the MoE's)
+    assert normed == {"_gemv_split_k_kernel", "_fp8_gemv_split_kernel", "_pair_gemv"}
     gated = {line.split()[1] for line in lines if "('SILU_MUL', True)" in line
              and "('PDL', True)" in line}  # fmt: skip
-    assert gated == {"_gemv_split_k_kernel"}  # SiLU-and-mul folded into the down GEMV
+    # SiLU-and-mul folded into the down GEMV (bf16, fp8)
+    assert gated == {"_gemv_split_k_kernel", "_fp8_gemv_split_kernel"}
     both = {line.split()[1] for line in lines if "('NORM', True)" in line
             and "('ROUTE', True)" in line}  # fmt: skip
     assert both == {"_pair_gemv"}  # MoE decode: the gate/up GEMV routes and norms its input

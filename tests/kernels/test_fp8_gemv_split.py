@@ -92,3 +92,52 @@ def test_the_installed_forward_takes_up_to_four_rows(device, monkeypatch):
             _close(lin(x).cpu(), want, 1e-5)
     assert calls == [1, 1]  # 1 and 4 rows; 5 rows: the layer's own forward
     assert int(counters.abs().sum()) == 0
+
+
+def _fp8_weight(n: int, k: int, g: torch.Generator):
+    return ref.quantize_fp8_rows(torch.randn(n, k, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config, m, n, k", [((16, 32, 1, 4, 1), 1, 48, 96),
+                                             ((16, 32, 3, 4, 2), 3, 40, 200)])  # fmt: skip
+def test_the_norm_before_it_folded_in(device, dtype, config, m, n, k):
+    """The residual add and RMSNorm inside the split fp8 GEMV: the same as the norm kernel
+    then the GEMV (the norm's sums in another order: equal up to a rounding flip), the new
+    residual the norm kernel's, the inputs unchanged, and the counters zero again."""
+    from paged.kernels import fused_add_rms_norm
+    from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
+
+    g = torch.Generator().manual_seed(m + n + k)
+    q, s = _fp8_weight(n, k, g)
+    x, res = (torch.randn(m, k, generator=g).to(dtype) for _ in range(2))
+    gain = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    dx, dres, dgain, dq, ds = (t.to(device) for t in (x, res, gain, q, s))
+    counters = torch.zeros(split_counters(n, config), dtype=torch.int32, device=device)
+    out, new_res = fp8_gemv_split(dx, dq, ds, None, config, counters, norm=(dres, dgain, 1e-5))
+    assert torch.equal(dx.cpu(), x) and torch.equal(dres.cpu(), res)
+    normed, want_res = fused_add_rms_norm(dx.clone(), dres.clone(), dgain, 1e-5)
+    assert torch.equal(new_res, want_res)  # the norm kernel's add, rounded as it rounds
+    want = fp8_gemv_split(normed, dq, ds, None, config, counters)
+    _close(out.cpu(), want.cpu(), 2e-2 if dtype == torch.bfloat16 else 1e-3)
+    _close(out.cpu(), _reference(normed.cpu().float(), q, s, None), 2e-2)
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("config, m, n, k", [((16, 32, 1, 4, 1), 1, 40, 64),
+                                             ((16, 32, 2, 4, 2), 2, 48, 150)])  # fmt: skip
+def test_silu_and_mul_before_it_folded_in(device, config, m, n, k):
+    """silu_and_mul of a gate/up output inside the split fp8 GEMV: bit-equal to the
+    silu_and_mul kernel then the GEMV (the same roundings, the same sums)."""
+    from paged.kernels import silu_and_mul
+    from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
+
+    g = torch.Generator().manual_seed(n + k)
+    q, s = _fp8_weight(n, k, g)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(torch.bfloat16).to(device)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(device)
+    counters = torch.zeros(split_counters(n, config), dtype=torch.int32, device=device)
+    dq, ds = q.to(device), s.to(device)
+    got = fp8_gemv_split(gate_up, dq, ds, b, config, counters, silu_mul=True)
+    assert torch.equal(got, fp8_gemv_split(silu_and_mul(gate_up), dq, ds, b, config, counters))
+    assert int(counters.abs().sum()) == 0

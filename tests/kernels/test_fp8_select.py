@@ -102,8 +102,10 @@ def test_only_per_channel_fp8_linears_on_the_gpu_are_timed(monkeypatch):
 
 def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_only):
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
-    shape): the decode rows run it (the prefill's rows the fp8 GEMM), and greedy output equals
-    the unsplit GEMV's."""
+    shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add
+    and RMSNorm but the first layer's folded into the QKV and gate/up GEMVs and SiLU-and-mul
+    into the down projection's, and greedy output equals the unsplit GEMV's after the norm
+    and activation kernels."""
     from paged import LLM, SamplingParams
     from paged.kernels import fp8_gemv
     from paged.quantization.base import QuantLinear
@@ -117,7 +119,10 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_onl
         def ops(self):
             from paged.kernels.ops import triton_fused_ops
 
-            return {"fp8_linear": triton_fused_ops()["fp8_linear"]}
+            table = triton_fused_ops()
+            names = ("fp8_linear", "fused_add_rms_norm", "add_rms_norm_linear", "silu_and_mul",
+                     "silu_and_mul_linear")  # fmt: skip
+            return {name: table[name] for name in names}
 
         def prepare_model(self, model, config, source=None) -> None:
             super().prepare_model(model, config, source)
@@ -130,8 +135,9 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_onl
         monkeypatch.setattr(f"{where}.select_platform", lambda name=None: Fp8OnCpu())
     rows = []
     real = fp8_gemv.fp8_gemv_split
-    monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a: rows.append(len(x))
-                        or real(x, *a))  # fmt: skip
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a: rows.append(
+        (len(x), a[5] is not None if len(a) > 5 else False, a[6] if len(a) > 6 else False))
+        or real(x, *a))  # fmt: skip
     prompt = list(range(3, 40, 3))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     got = []
@@ -143,4 +149,6 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_onl
         layers = len(llm.engine.runner.model.layers)
         assert len(rows) == (3 * 4 * layers if on else 0)  # 3 decode steps, 4 linears a layer
         del llm
-    assert set(rows) == {1} and got[0] == got[1]
+    assert {m for m, _, _ in rows} == {1} and got[0] == got[1]
+    assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's input norm
+    assert sum(silu for _, _, silu in rows) == 3 * layers

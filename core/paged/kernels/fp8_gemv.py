@@ -10,6 +10,13 @@ float32 partial sums, and the last program of an output block (counted atomicall
 SPLIT partials in slice order, scales them, adds the bias, stores the block and resets its
 counter. So the result is the unsplit kernel's up to the float32 order of the sums, and the
 same whichever program finishes last.
+
+The op before a decode projection can be folded in, as gemv.gemv_split_k does for 16-bit
+weights: NORM (the input is RMSNorm(x + residual) * g, fused_add_rms_norm's arithmetic) or
+SILU_MUL (the input is silu_and_mul of a gate/up output). Every program needs the whole input
+rows for their absmax anyway, so it computes them itself: under NORM a first pass sums the
+squares of x + residual (the first program writes that sum out, the new residual), then the
+absmax pass and the K slice compute the normed values as the norm kernel rounds them.
 """
 
 from __future__ import annotations
@@ -28,10 +35,10 @@ AMAX_ELEMENTS = 4096  # activations read a step for the rows' absmax (32 a threa
 
 @triton.jit
 def _fp8_gemv_split_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr, res_out_ptr,
+    M, N, K, k_per_split, stride_xm, stride_wn, stride_om, eps, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_N outputs of all M rows over one of SPLIT slices of K. ROWS (M rounded up to a
     power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
@@ -53,19 +60,35 @@ def _fp8_gemv_split_kernel(
     r = tl.arange(0, ROWS)
     r_ok = r < M
     x_rows = x_ptr + r.to(tl.int64)[:, None] * stride_xm
+    res_rows = r.to(tl.int64)[:, None] * K  # offsets of the residual rows (contiguous)
+    rstd = tl.zeros((ROWS,), dtype=tl.float32)
+    if NORM:  # the rows' rsqrt(mean((x + residual)^2) + eps); one program writes x + residual
+        sq = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
+        first = (pid_n == 0) & (pid_s == 0)
+        for k0 in range(0, K, AMAX_K):
+            kk = k0 + tl.arange(0, AMAX_K)
+            ok = r_ok[:, None] & (kk < K)[None, :]
+            s = _residual_sum(x_rows, res_ptr + res_rows, kk, ok)
+            if first:
+                tl.store(res_out_ptr + res_rows + kk[None, :], s, mask=ok)
+            sq += s.to(tl.float32) * s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
     amax = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
     for k0 in range(0, K, AMAX_K):  # the whole rows: the token's scale
         kk = k0 + tl.arange(0, AMAX_K)
-        a = tl.load(x_rows + kk[None, :], mask=r_ok[:, None] & (kk < K)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.abs(a.to(tl.float32)))
+        a = _input(x_rows, res_ptr + res_rows, g_ptr, kk, r_ok[:, None] & (kk < K)[None, :], K,
+                   rstd, NORM, SILU_MUL)  # fmt: skip
+        amax = tl.maximum(amax, tl.abs(a))
     x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    acc = _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS, REP, BLOCK_K)
+    acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w,
+                    acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :],
                     other=0.0)  # fmt: skip
-        acc = _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS, REP, BLOCK_K)
+        acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale,
+                        w, acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
     c = tl.arange(0, 16)
     row = c // REP
     keep = col_ok[:, None] & ((row < M) & (c % REP == 0))[None, :]  # one column a row
@@ -86,11 +109,42 @@ def _fp8_gemv_split_kernel(
 
 
 @triton.jit
-def _dot_step(x_rows, r_ok, ks, k_end, x_scale, w, acc, ROWS: tl.constexpr, REP: tl.constexpr,
-              BLOCK_K: tl.constexpr):  # fmt: skip
-    """acc + the weight tile `w` (columns `ks`) times the rows' quantized columns `ks`."""
-    a = tl.load(x_rows + ks[None, :], mask=r_ok[:, None] & (ks < k_end)[None, :], other=0.0)
-    q = quantize_e4m3(a.to(tl.float32), x_scale[:, None])
+def _residual_sum(x_rows, res_rows, kk, ok):
+    """x + residual at columns kk, rounded to x's dtype as the residual add rounds."""
+    a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0)
+    r = tl.load(res_rows + kk[None, :], mask=ok, other=0.0)
+    return (a.to(tl.float32) + r.to(tl.float32)).to(a.dtype)
+
+
+@triton.jit
+def _input(x_rows, res_rows, g_ptr, kk, ok, K, rstd, NORM: tl.constexpr,
+           SILU_MUL: tl.constexpr):  # fmt: skip
+    """The linear's input at columns kk, in float32: x itself; under SILU_MUL silu(gate) * up
+    (x's halves) rounded as silu_and_mul rounds; under NORM g * (s * rstd), s = x + residual,
+    rounded as the RMSNorm kernel rounds (rstd: the rows' [ROWS])."""
+    if NORM:
+        s = _residual_sum(x_rows, res_rows, kk, ok)
+        h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+        g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        a = (g[None, :] * h.to(tl.float32)).to(s.dtype)
+    else:
+        a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0)
+        if SILU_MUL:
+            up = tl.load(x_rows + K + kk[None, :], mask=ok, other=0.0)
+            gate = a.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+            a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+    return a.to(tl.float32)
+
+
+@triton.jit
+def _dot_step(x_rows, res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w, acc,
+              NORM: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
+              REP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + the weight tile `w` (columns `ks`) times the rows' quantized input at `ks`."""
+    a = _input(x_rows, res_rows, g_ptr, ks, r_ok[:, None] & (ks < k_end)[None, :], K, rstd,
+               NORM, SILU_MUL)  # fmt: skip
+    q = quantize_e4m3(a, x_scale[:, None])
     q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
     return acc + tl.dot(w, tl.trans(q16.to(w.dtype)), out_dtype=tl.float32)
 
@@ -119,17 +173,30 @@ def fp8_gemv_split(
     bias: torch.Tensor | None,
     config: Config,
     counters: torch.Tensor,
-) -> torch.Tensor:
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    silu_mul: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The fp8 linear (per-row weight scales [N, 1], x [M, K] quantized per token, M <= 16)
     with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps, stages). `counters`: int32
     zeros, at least split_counters(); every launch leaves them zero again (so they can be
-    shared by the linears of a stream, and captured in a CUDA graph)."""
+    shared by the linears of a stream, and captured in a CUDA graph).
+
+    `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x;
+    returns (out, x + residual), the new residual in a new tensor. `silu_mul`: x is [M, 2K], a
+    gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`)."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
+    if silu_mul:
+        assert norm is None and k == 2 * weight.shape[1]
+        k //= 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if norm is not None else out
     if m == 0:
-        return out
+        return out if norm is None else (out, res_out)
+    res, g, eps = norm if norm is not None else (out, out, 0.0)
+    if norm is not None:
+        assert res.shape == x.shape and res.is_contiguous() and g.shape == (k,)
     block_n, block_k, split, warps, stages = config
     per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     part = torch.empty(m, split, n, dtype=torch.float32, device=x.device) if split > 1 else out
@@ -137,28 +204,39 @@ def fp8_gemv_split(
     rows = triton.next_power_of_2(m)
     amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
     _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, scale, bias if bias is not None else out, out, part, counters, m, n, k, per,
-        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        ROWS=rows, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k,
-        num_warps=warps, num_stages=stages, **pdl.launch(),
+        x, weight, scale, bias if bias is not None else out, out, part, counters, res, g,
+        res_out, m, n, k, per, x.stride(0), weight.stride(0), out.stride(0), eps,
+        HAS_BIAS=bias is not None, NORM=norm is not None, SILU_MUL=silu_mul, ROWS=rows,
+        SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k, num_warps=warps,
+        num_stages=stages, **pdl.launch(),
     )  # fmt: skip
-    return out
+    return out if norm is None else (out, res_out)
 
 
 class Fp8SplitGemv:
     """A per-channel fp8 QuantLinear's forward on `fp8_gemv_split` for inputs of up to
     `max_rows` rows (a measured choice: the CUDA plugin's fp8_select installs it per weight
-    shape), the layer's own forward otherwise."""
+    shape), the layer's own forward otherwise. With `norm` or `silu_mul` (inputs it `takes`)
+    it also runs the residual add and RMSNorm, or SiLU-and-mul, before the projection, as
+    gemv.OneRowGemv does for 16-bit weights."""
 
     def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor,
                  max_rows: int = 4) -> None:  # fmt: skip
         self.mod, self.config, self.counters, self.max_rows = mod, config, counters, max_rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether x (2-D) runs on the split GEMV, and so may have the op before it folded in."""
+        return x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1
+
+    def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
+        mod = self.mod
+        if norm is not None or silu_mul:
+            assert self.takes(x), "the fused input op needs an input of few rows"
+            return fp8_gemv_split(x, mod.weight, mod.weight_scale, mod.bias, self.config,
+                                  self.counters, norm, silu_mul)  # fmt: skip
         k = x.shape[-1]
         if x.numel() > self.max_rows * k:
-            return type(self.mod).forward(self.mod, x)
-        mod = self.mod
+            return type(mod).forward(mod, x)
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()

@@ -45,12 +45,14 @@ def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False)
 
 
 def _one_row_gemv(linear, x):
-    """The linear's one-row GEMV (paged_cuda.gemv_select installs it on the module, not as
-    nn.Linear's method) when x is a row it takes; else None."""
+    """The linear's decode GEMV that folds the op before it in (paged_cuda's gemv_select and
+    fp8_select install them on the module, not as the class's method) when x is an input it
+    takes; else None."""
+    from paged.kernels.fp8_gemv import Fp8SplitGemv
     from paged.kernels.gemv import OneRowGemv
 
     gemv = vars(linear).get("forward")
-    return gemv if isinstance(gemv, OneRowGemv) and gemv.takes(x) else None
+    return gemv if isinstance(gemv, (OneRowGemv, Fp8SplitGemv)) and gemv.takes(x) else None
 
 
 def _add_rms_norm_linear(x, residual, weight, eps, linear):

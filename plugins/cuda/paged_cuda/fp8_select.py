@@ -4,11 +4,13 @@ Those run paged's tensor-core fp8 GEMV (paged.kernels.gemv.fp8_gemv_dot): one pr
 64 output rows over the whole K, so a projection with few output rows leaves SMs idle
 (Llama-3.1-8B's o_proj and down: 64 programs on an H200's 132 SMs). At start-up, for each
 per-channel fp8 weight shape among the model's linears, the unsplit kernel (its own config)
-and the same kernel split over K (paged.kernels.fp8_gemv) under a few configurations are
-timed at one row, each in a CUDA graph over every weight of that shape (so they come from
-HBM, as in a decode step); a shape whose best split config beats the unsplit kernel by
-gemv_select.MARGIN runs it for inputs of up to four rows. More rows keep the platform's fp8
-linear.
+and the split-K kernel (paged.kernels.fp8_gemv: its unsplit tile, and K split under a few
+configurations) are timed at one row, each in a CUDA graph over every weight of that shape
+(so they come from HBM, as in a decode step). A shape whose linears follow a residual add and
+RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
+unsplit GEMV, against the split kernel with the op folded in, as gemv_select times 16-bit
+linears. A shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN
+runs it for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ import triton
 from torch import nn
 
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
-from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, fp8_gemv_dot
-from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
+from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
+from paged_cuda.gemv_select import (
+    choose,
+    gated_linears,
+    graph_time,
+    graph_time_or_inf,
+    model_dtype,
+    normed_linears,
+)
 
 log = logging.getLogger("paged")
 
@@ -75,7 +84,10 @@ def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
 
 
 def use_measured_fp8_gemv(model: nn.Module) -> None:
-    """Time and install the split fp8 GEMV per weight shape where it beats the unsplit one."""
+    """Time and install the split fp8 GEMV per weight shape where it beats the unsplit one
+    (each timed with the norm or activation before it: its own kernel, or folded in)."""
+    from paged.model import ops
+
     shapes = fp8_linears(model)
     if not shapes:
         return
@@ -83,25 +95,45 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
     sms, smem = props["multiprocessor_count"], props["max_shared_mem"]
     dtype = model_dtype(model)
-    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
-    most = max((split_counters(n, c) for n, k in shapes for c in candidates(n, k, sms, smem)),
-               default=1)  # fmt: skip
+
+    def configs(n: int, k: int) -> list[Config]:
+        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits."""
+        block_n, block_k, warps, stages = dot_config(n, k, device)
+        return [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
+
+    ks = {k for _, k in shapes}
+    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
+    res = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
+    gain = {k: torch.rand(k, device=device, dtype=dtype) + 0.5 for k in ks}
+    gate_up = {k: torch.randn(1, 2 * k, device=device, dtype=dtype) for k in ks}
+    most = max(split_counters(n, c) for n, k in shapes for c in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
+    normed, gated = normed_linears(model), gated_linears(model)
+    norm, act = ops.get("fused_add_rms_norm"), ops.get("silu_and_mul")
 
     def time_unsplit(mods: list[nn.Module]) -> float:
-        x = xs[mods[0].weight.shape[1]]
-        return graph_time([lambda m=m: fp8_gemv_dot(x, m.weight, m.weight_scale, m.bias)
+        k = mods[0].weight.shape[1]
+        x, r, g = xs[k].clone(), res[k].clone(), gain[k]
+
+        def before() -> torch.Tensor:  # the op's own kernel (the norm's in place: no matter)
+            if id(mods[0]) in normed:
+                return norm(x, r, g, 1e-6)[0]
+            return act(gate_up[k]) if id(mods[0]) in gated else x
+
+        return graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
                            for m in mods])  # fmt: skip
 
     def time_split(mods: list[nn.Module], config: Config) -> float:
-        x = xs[mods[0].weight.shape[1]]
+        k = mods[0].weight.shape[1]
+        folded = (res[k], gain[k], 1e-6) if id(mods[0]) in normed else None
+        silu = id(mods[0]) in gated
+        x = gate_up[k] if silu else xs[k]
         calls = [lambda m=m: fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config,
-                                            counters) for m in mods]  # fmt: skip
+                                            counters, folded, silu) for m in mods]  # fmt: skip
         return graph_time_or_inf(calls)
 
     with torch.inference_mode():
-        chosen = choose(shapes, lambda n, k: candidates(n, k, sms, smem), time_unsplit,
-                        time_split)  # fmt: skip
+        chosen = choose(shapes, configs, time_unsplit, time_split)
     for (n, k), (config, best, base) in chosen.items():
         for mod in shapes[(n, k)]:
             mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS)
