@@ -100,11 +100,13 @@ def _fp8_weight(n: int, k: int, g: torch.Generator):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("config, m, n, k", [((16, 32, 1, 4, 1), 1, 48, 96),
-                                             ((16, 32, 3, 4, 2), 3, 40, 200)])  # fmt: skip
+                                             ((16, 32, 3, 4, 2), 3, 40, 200),
+                                             ((32, 128, 4, 4, 2), 4, 40, 1100)])  # fmt: skip
 def test_the_norm_before_it_folded_in(device, dtype, config, m, n, k):
     """The residual add and RMSNorm inside the split fp8 GEMV: the same as the norm kernel
     then the GEMV (the norm's sums in another order: equal up to a rounding flip), the new
-    residual the norm kernel's, the inputs unchanged, and the counters zero again."""
+    residual the norm kernel's, the inputs unchanged, and the counters zero again; rows longer
+    than one step of the norm's and the absmax's passes (4 rows of 1100)."""
     from paged.kernels import fused_add_rms_norm
     from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
 
@@ -125,7 +127,8 @@ def test_the_norm_before_it_folded_in(device, dtype, config, m, n, k):
 
 
 @pytest.mark.parametrize("config, m, n, k", [((16, 32, 1, 4, 1), 1, 40, 64),
-                                             ((16, 32, 2, 4, 2), 2, 48, 150)])  # fmt: skip
+                                             ((16, 32, 2, 4, 2), 2, 48, 150),
+                                             ((32, 128, 3, 4, 2), 4, 40, 1100)])  # fmt: skip
 def test_silu_and_mul_before_it_folded_in(device, config, m, n, k):
     """silu_and_mul of a gate/up output inside the split fp8 GEMV: bit-equal to the
     silu_and_mul kernel then the GEMV (the same roundings, the same sums)."""
