@@ -11,8 +11,9 @@
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
    int4_linear (AWQ/GPTQ layout, group 128: the split-K int4 GEMM below DEQUANT_MIN_ROWS, the
    weight dequantized + cuBLAS from there) and the same on GGUF Q8_0's 8-bit layout, and both
-   int4 paths at every row count (the split GEMM on its default config); `--sweep int4,int8`: also
-   the split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
+   int4 paths at every row count (the split GEMM on its default config; up to 16 rows also with
+   the rows' columns loaded contiguously, as taller row blocks load them); `--sweep int4,int8`:
+   also the split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -106,6 +107,19 @@ def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: 
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
+def contiguous_rows(fn, *args):
+    """fn(*args) with every int4 split-GEMM row block loading the rows' columns contiguously
+    (int4_gemm_split.CONTIGUOUS_X_MIN_ROWS lowered to 16 for the call)."""
+    from paged.kernels import int4_gemm_split
+
+    before = int4_gemm_split.CONTIGUOUS_X_MIN_ROWS
+    int4_gemm_split.CONTIGUOUS_X_MIN_ROWS = 16
+    try:
+        return fn(*args)
+    finally:
+        int4_gemm_split.CONTIGUOUS_X_MIN_ROWS = before
+
+
 def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
     from torch.nn import functional as F
     from triton.testing import do_bench_cudagraph
@@ -161,6 +175,10 @@ def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
         }  # fmt: skip
         variants["int4 split-K GEMM (default)"] = ("int4", layer(lambda w, a, aq: int4_gemm_split(
             a, w["codes"], w["sc"], w["z"], 128, None, None, 4)))  # fmt: skip
+        if m <= 16:  # the rows' columns loaded contiguously, as row blocks of 32+ load them
+            variants["int4 split-K GEMM (default), rows contiguous"] = ("int4", layer(
+                lambda w, a, aq: contiguous_rows(int4_gemm_split, a, w["codes"], w["sc"], w["z"],
+                                                 128, None, None, 4)))  # fmt: skip
         variants["int4 dequantized + cuBLAS"] = ("int4", layer(lambda w, a, aq: F.linear(
             a, dequantize(w["codes"], w["sc"], w["z"], 128, None, 4, bf16))))  # fmt: skip
         variants["int8 split-K GEMM (default)"] = ("int8", layer(lambda w, a, aq: int4_gemm_split(

@@ -175,9 +175,12 @@ def quantized_linears() -> None:
     for rows, group, config, bits in ((1, 128, (16, 64, 128, 8, 4), 4),
                                       (3, 128, (16, 128, 256, 1, 4), 4),
                                       (20, 32, (32, 64, 128, 2, 4), 4),
-                                      (1, 32, (16, 64, 64, 4, 4), 8)):  # fmt: skip
+                                      (1, 32, (16, 64, 64, 4, 4), 8),
+                                      (100, 128, (64, 128, 128, 1, 8), 4),
+                                      (40, 32, (64, 64, 64, 1, 4), 8)):  # fmt: skip
         # the int4 GEMM split over K (paged_cuda.int4_select's configs); GGUF's groups of 32
-        # with mins: tiles spanning groups; 8-bit codes (GGUF Q8_0)
+        # with mins: tiles spanning groups; 8-bit codes (GGUF Q8_0); row blocks of 32 and more
+        # (the rows' columns loaded contiguously)
         groups = k // group
         int4_gemm_split(t(rows, k), t(n, k * bits // 32, dtype=torch.int32),
                         t(n, groups, dtype=torch.float32), t(n, groups, dtype=torch.uint8), group,

@@ -23,6 +23,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     (3, 24, 320, 64, False, True, 4, (16, 16, 128, 1, 4)),  # K not whole tiles, tile > group
     (9, 37, 192, 32, True, True, 4, (32, 32, 128, 2, 4)),  # GGUF Q4_1: groups of 32, mins
     (6, 24, 160, 32, False, False, 8, (16, 16, 64, 2, 4)),  # GGUF Q8_0: 8-bit codes
+    # row blocks of 32 and more: the rows' columns loaded contiguously, split per code
+    (40, 48, 384, 128, False, True, 4, (32, 16, 128, 2, 4)),  # two blocks, a ragged one
+    (33, 24, 160, 32, False, False, 8, (64, 16, 64, 1, 4)),  # 8-bit, K not whole tiles
     (20, 19, 96, 32, True, True, 8, None),  # 8-bit with mins, the default config
     (1, 40, 256, 128, False, True, 4, None),  # one row (batch-1 decode)
 ])  # fmt: skip

@@ -7,7 +7,9 @@ per-weight multiply-adds of a GEMV on the vector units.
 Each program loads a [BLOCK_N, WK] tile of code words and dequantizes it once, code by code
 (`_code_weights`): the j-th code of every word is input column PER w + j, so code j's weights
 [BLOCK_N, WK] meet the rows' columns j, j + PER, ... (a strided load of the rows, which stay in
-the cache) in one tl.dot of depth WK: PER dots a step, no reshape of the tile. The row blocks
+the cache; row blocks of CONTIGUOUS_X_MIN_ROWS or more load the step's columns whole and split
+them per code in registers) in one tl.dot of depth WK: PER dots a step, no reshape of the
+tile. The row blocks
 are the grid's fastest axis, so the programs that share a weight tile run side by side and read
 it from the cache. Weights are rounded to the rows' dtype as the reference rounds them;
 products and sums in float32, in the tensor cores' order.
@@ -34,6 +36,10 @@ from paged.kernels import pdl
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps)
 PROGRAMS = 768  # default_config's target grid
 COUNTER_SLOTS = 1 << 16  # tickets of a device's shared counters (int32)
+# Row blocks from this many rows load a step's columns of the rows contiguously and split them
+# per code in registers (an sm_90a build of 32-row blocks issues a third of the global loads of
+# per-code gathers); smaller ones gather each code's columns (what the H100 timings above ran).
+CONTIGUOUS_X_MIN_ROWS = 32
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -43,7 +49,8 @@ def _int4_gemm_split_kernel(
     M, N, KW, G, words_per_split, stride_c, stride_x, stride_o, GROUP_W: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr,
     BITS: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, WK: tl.constexpr, EVEN: tl.constexpr, CONTIGUOUS_X: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_M rows' BLOCK_N outputs over one of SPLIT slices of the KW code words a weight row,
     WK words a step. EVEN: whole weight tiles everywhere (N, K and every slice): the weights'
@@ -64,13 +71,13 @@ def _int4_gemm_split_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr,
                     cols64, col_ok, w_start, w_end, G, GROUP_W, acc, out_ptr.dtype.element_ty,
-                    HAS_MIN, WORD_GROUPS, BITS, WK, EVEN, UPCAST)  # fmt: skip
+                    HAS_MIN, WORD_GROUPS, BITS, WK, EVEN, UPCAST, CONTIGUOUS_X)  # fmt: skip
     for w0 in range(w_start + WK, w_end, WK):
         words = _load_words(codes_ptr, cols64, col_ok, w0, w_end, stride_c, WK, EVEN)
         acc = _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr,
                         mins_ptr, cols64, col_ok, w0, w_end, G, GROUP_W, acc,
                         out_ptr.dtype.element_ty, HAS_MIN, WORD_GROUPS, BITS, WK, EVEN,
-                        UPCAST)  # fmt: skip
+                        UPCAST, CONTIGUOUS_X)  # fmt: skip
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT == 1:
         _store_block(acc, bias_ptr, out_ptr, rows64, cols64, col_ok, mask, stride_o, HAS_BIAS)
@@ -93,7 +100,8 @@ def _int4_gemm_split_kernel(
 def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, mins_ptr, cols64,
               col_ok, w0, w_end, G, GROUP_W: tl.constexpr, acc, dtype: tl.constexpr,
               HAS_MIN: tl.constexpr, WORD_GROUPS: tl.constexpr, BITS: tl.constexpr,
-              WK: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+              WK: tl.constexpr, EVEN: tl.constexpr, UPCAST: tl.constexpr,
+              CONTIGUOUS_X: tl.constexpr):  # fmt: skip
     """acc [BLOCK_M, BLOCK_N] + the rows times the tile's weights: code j of word w is input
     column PER w + j, so code j's weights [BLOCK_N, WK] meet columns j, j + PER, ..."""
     w_idx = w0 + tl.arange(0, WK)
@@ -102,16 +110,63 @@ def _mma_step(x_ptr, rows64, row_ok, stride_x, words, scales_ptr, zeros_ptr, min
                             w_end, G, GROUP_W, HAS_MIN, WORD_GROUPS, WK, EVEN)  # fmt: skip
     PER: tl.constexpr = 32 // BITS
     high = words >> 16
-    x_rows = x_ptr + rows64[:, None] * stride_x
-    x_mask = row_ok[:, None] & w_ok[None, :]
-    for j in tl.static_range(PER):
-        w = tl.trans(_code_weights(words, high, j, s, z, m, dtype, HAS_MIN, BITS))
-        x = tl.load(x_rows + (w_idx * PER + j)[None, :], mask=x_mask, other=0.0)
-        if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(dtype), w)
+    if CONTIGUOUS_X:
+        acc = _dots_of_contiguous_rows(x_ptr, rows64, row_ok, stride_x, words, high, s, z, m,
+                                       w0, w_end, acc, dtype, HAS_MIN, BITS, WK, UPCAST)
+    else:
+        x_rows = x_ptr + rows64[:, None] * stride_x
+        x_mask = row_ok[:, None] & w_ok[None, :]
+        for j in tl.static_range(PER):  # code j's strided columns gathered from the rows
+            x = tl.load(x_rows + (w_idx * PER + j)[None, :], mask=x_mask, other=0.0)
+            acc = _code_dot(acc, x, words, high, j, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
     return acc
+
+
+@triton.jit
+def _dots_of_contiguous_rows(x_ptr, rows64, row_ok, stride_x, words, high, s, z, m, w0, w_end,
+                             acc, dtype: tl.constexpr, HAS_MIN: tl.constexpr,
+                             BITS: tl.constexpr, WK: tl.constexpr,
+                             UPCAST: tl.constexpr):  # fmt: skip
+    """_mma_step's dots with the rows' columns of the step loaded contiguously (wide loads, where
+    per-code gathers issue a load per element) and split per code in registers: column PER w + j
+    goes to code j by the bits of j."""
+    PER: tl.constexpr = 32 // BITS
+    cols = w0 * PER + tl.arange(0, WK * PER)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :],
+                mask=row_ok[:, None] & (cols < w_end * PER)[None, :], other=0.0)  # fmt: skip
+    x = tl.reshape(x, (x.shape[0], WK, 2, 2, 2) if PER == 8 else (x.shape[0], WK, 2, 2))
+    even, odd = tl.split(x)  # j's lowest bit
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    if PER == 8:
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        acc = _code_dot(acc, x0, words, high, 0, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x1, words, high, 1, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x2, words, high, 2, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x3, words, high, 3, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x4, words, high, 4, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x5, words, high, 5, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x6, words, high, 6, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, x7, words, high, 7, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+    else:  # 8-bit codes, 4 a word: j = 2 j1 + j0
+        acc = _code_dot(acc, e0, words, high, 0, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, o0, words, high, 1, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, e1, words, high, 2, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+        acc = _code_dot(acc, o1, words, high, 3, s, z, m, dtype, HAS_MIN, BITS, UPCAST)
+    return acc
+
+
+@triton.jit
+def _code_dot(acc, x, words, high, j: tl.constexpr, s, z, m, dtype: tl.constexpr,
+              HAS_MIN: tl.constexpr, BITS: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """acc + the rows' columns of code j [BLOCK_M, WK] times code j's weights."""
+    w = tl.trans(_code_weights(words, high, j, s, z, m, dtype, HAS_MIN, BITS))
+    if UPCAST:  # float32, or the CPU interpreter (it multiplies bf16 storage as ints)
+        return acc + tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(x.to(dtype), w)
 
 
 @triton.jit
@@ -266,7 +321,8 @@ def int4_gemm_split(
         WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split, UPCAST=upcast, BLOCK_M=block_m,
         BLOCK_N=block_n, WK=block_k // per_word,
         EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
-        num_warps=warps, enable_fp_fusion=mins is None, **pdl.launch(),
+        CONTIGUOUS_X=block_m >= CONTIGUOUS_X_MIN_ROWS, num_warps=warps,
+        enable_fp_fusion=mins is None, **pdl.launch(),
     )  # fmt: skip
     return out
 
