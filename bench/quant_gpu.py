@@ -47,22 +47,26 @@ LAYERS = 32
 
 def int4_gemm_split_calls(weights: list[dict], m: int):
     """The int4 linear of m rows on the split-K tensor-core GEMM, each shape on its fastest
-    config of a small sweep (block rows from m, 64 / 128 outputs, K steps of 128 / 256, SPLIT
-    1-8): what `int4_gemm_split.default_config` should pick."""
+    config of a small sweep (what `int4_gemm_split.default_config` should pick): up to 16 rows
+    one block of 16, 64 / 128 outputs, K steps of 128 / 256, SPLIT 1-8; more rows blocks of 32,
+    64 (and 128 from 128 rows), 64 / 128 outputs, K steps of 128, SPLIT 1-4."""
     import triton
 
     from paged.kernels.int4_gemm_split import int4_gemm_split
 
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    tall = [b for b in (32, 64, 128) if b <= max(64, triton.next_power_of_2(m))]
+    block_ms = [16] if m <= 16 else tall
 
     def configs(n: int, k: int) -> list[tuple]:
         out = []
-        for block_n in (64, 128):
-            for block_k in (128, 256) if m <= 64 else (128,):
-                for split in (1, 2, 4, 8):
-                    per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-                    if per * (split - 1) < k:
-                        out.append((block_m, block_n, block_k, split, 8 if block_m > 64 else 4))
+        for block_m in block_ms:
+            for block_n in (64, 128):
+                for block_k in (128, 256) if m <= 16 else (128,):
+                    for split in (1, 2, 4, 8) if m <= 16 else (1, 2, 4):
+                        per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+                        if per * (split - 1) < k:
+                            warps = 8 if block_m * block_n >= 8192 else 4
+                            out.append((block_m, block_n, block_k, split, warps))
         return out
 
     def call(w, a, config):
