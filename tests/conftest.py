@@ -34,12 +34,42 @@ def smollm(default_model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm(default_model_path):
-    """HF transformers' own GGUF load of the default model, float32."""
-    from transformers import AutoModelForCausalLM
+def hf_gguf_reference(default_model_path):
+    """transformers' view of the default GGUF: AutoConfig, and the weights as from_pretrained
+    gets them (its load_gguf_checkpoint loop: gguf's dequantize and llama.cpp name table,
+    transformers' q/k un-permutation), minus its slow per-module name-map rebuild (~15 s)."""
+    import gguf
+    import numpy as np
+    import transformers as tf
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
     d, f = os.path.split(default_model_path)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    config = tf.AutoConfig.from_pretrained(d, gguf_file=f)
+    with torch.device("meta"):
+        names = [n for n, _ in tf.AutoModelForCausalLM.from_config(config).named_parameters()]
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    to_hf = {f"{table.get_name(n.rsplit('.', 1)[0])}.{n.rsplit('.', 1)[1]}": n for n in names}
+    processor = TENSOR_PROCESSORS["llama"](config=config.to_dict())
+    weights = {}
+    for t in gguf.GGUFReader(default_model_path).tensors:
+        w = processor.process(weights=gguf.dequantize(t.data, t.tensor_type), name=t.name)
+        weights[to_hf[t.name]] = torch.from_numpy(np.array(w.weights, dtype=np.float32))
+    return config, weights
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(hf_gguf_reference):
+    """HF transformers' model of the default GGUF, float32: its class from the file's config,
+    holding the weights from_pretrained(gguf_file=...) would load (hf_gguf_reference; the
+    same weights, without from_pretrained's slow GGUF path: 12 s there, 1 s here)."""
+    from transformers import AutoModelForCausalLM
+
+    config, weights = hf_gguf_reference
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"], (missing, unexpected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the file
+    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -97,25 +97,9 @@ def test_default_model_missing(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(default_src):
-    """transformers' view of the default GGUF: AutoConfig, and the weights as from_pretrained
-    gets them (its load_gguf_checkpoint loop: gguf's dequantize and llama.cpp name table,
-    transformers' q/k un-permutation), minus its slow per-module name-map rebuild (~15 s)."""
-    import gguf
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
-
-    d, f = os.path.split(default_src.path)
-    config = tf.AutoConfig.from_pretrained(d, gguf_file=f)
-    with torch.device("meta"):
-        names = [n for n, _ in tf.AutoModelForCausalLM.from_config(config).named_parameters()]
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    to_hf = {f"{table.get_name(n.rsplit('.', 1)[0])}.{n.rsplit('.', 1)[1]}": n for n in names}
-    processor = TENSOR_PROCESSORS["llama"](config=config.to_dict())
-    weights = {}
-    for t in gguf.GGUFReader(default_src.path).tensors:
-        w = processor.process(weights=gguf.dequantize(t.data, t.tensor_type), name=t.name)
-        weights[to_hf[t.name]] = torch.from_numpy(np.array(w.weights, dtype=np.float32))
-    return config, weights
+def hf_reference(hf_gguf_reference):
+    """conftest's hf_gguf_reference: transformers' config and weights of the default GGUF."""
+    return hf_gguf_reference
 
 
 def test_gguf_weights_equal_transformers(default_src, default_cfg, hf_reference):
