@@ -9,10 +9,9 @@ Each program loads a [BLOCK_N, WK] tile of code words and dequantizes it once, c
 [BLOCK_N, WK] meet the rows' columns j, j + PER, ... (a strided load of the rows, which stay in
 the cache; row blocks of CONTIGUOUS_X_MIN_ROWS or more load the step's columns whole and split
 them per code in registers) in one tl.dot of depth WK: PER dots a step, no reshape of the
-tile. The row blocks
-are the grid's fastest axis, so the programs that share a weight tile run side by side and read
-it from the cache. Weights are rounded to the rows' dtype as the reference rounds them;
-products and sums in float32, in the tensor cores' order.
+tile. The row blocks are the grid's fastest axis, so the programs that share a weight tile run
+side by side and read it from the cache. Weights are rounded to the rows' dtype as the
+reference rounds them; products and sums in float32, in the tensor cores' order.
 
 Partial sums: the last program of a (row block, output block) (counted atomically) adds the
 SPLIT float32 partials in slice order, adds the bias and stores the block, then resets its
@@ -22,7 +21,7 @@ Measured on an H100 (Llama-3.1-8B's four projections, group 128; bench/quant_gpu
 layer's int4 linears at one row in 116 us against 165 us on a split-K GEMV and 693 us on a GEMV
 of 32 outputs a program; 126 us at 4 rows and 159 us at 16, where the whole weight
 dequantized, then cuBLAS, took 394 us. Row blocks of 32 rows ran slower (566 us a layer at 24
-rows), so a launch takes one block of 16 rows: int4_linear dequantizes from 17.
+rows, with per-code gathers of the rows), so int4_linear dequantizes from 17 rows.
 """
 
 from __future__ import annotations
