@@ -152,3 +152,62 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_onl
     assert {m for m, _, _ in rows} == {1} and got[0] == got[1]
     assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's input norm
     assert sum(silu for _, _, silu in rows) == 3 * layers
+
+
+def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatch):
+    """Start-up timing of an fp8 model (timers and the GPU faked): every shape tries the unsplit
+    kernel's tile on the split kernel first; QKV and gate/up are timed with the residual add
+    and RMSNorm (the norm op before the unsplit GEMV, folded into the split one), down with
+    SiLU-and-mul, o_proj with neither; a config that wins is installed with the op foldable."""
+    from paged import LLM
+    from paged.kernels import fp8_gemv
+    from paged.kernels.gemv import dot_config
+    from paged.model import ops
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB", quantization="fp8")
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    kinds = {(m.weight.shape[0], m.weight.shape[1]): kind for kind, m in (
+        ("norm", layer.self_attn.qkv_proj), ("norm", layer.mlp.gate_up_proj),
+        ("silu", layer.mlp.down_proj), ("plain", layer.self_attn.o_proj))}  # fmt: skip
+    assert len(kinds) == 4  # four shapes, one op each
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(fp8_select, "device_limits", lambda device: H200)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    unsplit, split = [], []
+    monkeypatch.setattr(fp8_select, "fp8_gemv_dot", lambda x, w, *a: unsplit.append((w, x)))
+    monkeypatch.setattr(fp8_select, "fp8_gemv_split", lambda x, w, s, b, config, counters,
+                        norm, silu: split.append((w, config, norm is not None, silu)))
+    norms = []
+    real_norm = ops.get("fused_add_rms_norm")
+    monkeypatch.setitem(ops._active, "fused_add_rms_norm",
+                        lambda *a: norms.append(1) or real_norm(*a))  # fmt: skip
+
+    def run_once(calls):
+        for call in calls:
+            call()
+        return 1.0
+
+    monkeypatch.setattr(fp8_select, "graph_time", run_once)
+    firsts = {}
+
+    def split_time(calls):  # the unsplit tile (the first config of a shape) wins
+        before = len(split)
+        run_once(calls)
+        w, config = split[before][:2]
+        firsts.setdefault(tuple(w.shape), config)
+        return 0.5 if config == firsts[tuple(w.shape)] else 0.9
+
+    monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
+    fp8_select.use_measured_fp8_gemv(model)
+    for shape, config in firsts.items():
+        block_n, block_k, warps, stages = dot_config(*shape, torch.device("cpu"))
+        assert config == (block_n, block_k, 1, warps, stages)
+    for w, _, normed, silu in split:
+        kind = kinds[tuple(w.shape)]
+        assert (normed, silu) == (kind == "norm", kind == "silu")
+    assert len(norms) == sum(kinds[tuple(w.shape)] == "norm" for w, _ in unsplit) > 0
+    for mod in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                layer.self_attn.o_proj):  # fmt: skip
+        gemv = vars(mod)["forward"]
+        assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1

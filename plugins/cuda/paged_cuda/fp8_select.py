@@ -83,6 +83,12 @@ def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     return shapes
 
 
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory a block in bytes) of the GPU."""
+    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return props["multiprocessor_count"], props["max_shared_mem"]
+
+
 def use_measured_fp8_gemv(model: nn.Module) -> None:
     """Time and install the split fp8 GEMV per weight shape where it beats the unsplit one
     (each timed with the norm or activation before it: its own kernel, or folded in)."""
@@ -92,8 +98,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     if not shapes:
         return
     device = next(iter(shapes.values()))[0].weight.device
-    props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    sms, smem = props["multiprocessor_count"], props["max_shared_mem"]
+    sms, smem = device_limits(device)
     dtype = model_dtype(model)
 
     def configs(n: int, k: int) -> list[Config]:
