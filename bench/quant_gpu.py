@@ -194,6 +194,10 @@ def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
         variants["int4 GGUF Q4_1 split-K GEMM (default)"] = ("int4", layer(
             lambda w, a, aq: int4_gemm_split(a, w["codes"], w["sc32"], w["z32"], 32, None,
                                              w["m32"], 4)))  # fmt: skip
+        if m <= 16:
+            variants["int4 GGUF Q4_1 split-K GEMM (default), rows contiguous"] = ("int4", layer(
+                lambda w, a, aq: contiguous_rows(int4_gemm_split, a, w["codes"], w["sc32"],
+                                                 w["z32"], 32, None, w["m32"], 4)))  # fmt: skip
         variants["int4 GGUF Q4_1 dequantized + cuBLAS"] = ("int4", layer(
             lambda w, a, aq: F.linear(a, dequantize(w["codes"], w["sc32"], w["z32"], 32, w["m32"],
                                                     4, bf16))))  # fmt: skip
