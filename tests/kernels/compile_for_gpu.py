@@ -165,19 +165,13 @@ def quantized_linears() -> None:
         # the fp8 decode GEMV split over K (paged_cuda.fp8_select), with a bias
         fp8_gemv_split(t(rows, k), w8, t(n, 1, dtype=torch.float32), t(n), config,
                        t(n, dtype=torch.int32))  # fmt: skip
-        # with the residual add and RMSNorm, or SiLU-and-mul, folded in (fp8_select)
-        fp8_gemv_split(t(rows, k), w8, t(n, 1, dtype=torch.float32), None, config,
-                       t(n, dtype=torch.int32), norm=(t(rows, k), t(k), 1e-6))  # fmt: skip
-        fp8_gemv_split(t(rows, 2 * k), w8, t(n, 1, dtype=torch.float32), None, config,
-                       t(n, dtype=torch.int32), silu_mul=True)  # fmt: skip
     from paged.kernels.int4_gemm_split import int4_gemm_split
 
     for rows, group, config, bits in ((1, 128, (16, 64, 128, 8, 4), 4),
                                       (3, 128, (16, 128, 256, 1, 4), 4),
                                       (20, 32, (32, 64, 128, 2, 4), 4),
                                       (1, 32, (16, 64, 64, 4, 4), 8),
-                                      (100, 128, (64, 128, 128, 1, 8), 4),
-                                      (40, 32, (64, 64, 64, 1, 4), 8)):  # fmt: skip
+                                      (40, 32, (32, 16, 64, 1, 4), 8)):  # fmt: skip
         # the int4 GEMM split over K (paged_cuda.int4_select's configs); GGUF's groups of 32
         # with mins: tiles spanning groups; 8-bit codes (GGUF Q8_0); row blocks of 32 and more
         # (the rows' columns loaded contiguously)
@@ -291,6 +285,7 @@ def decode_with_pdl() -> None:
 
     fp8_gemv_split(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), None,
                    (64, 128, 2, 4, 2), t(n, dtype=torch.int32))  # fmt: skip
+    # with the residual add and RMSNorm, or SiLU-and-mul, folded in (fp8_select)
     fp8_gemv_split(x, t(n, hidden, dtype=torch.float8_e4m3fn), t(n, 1, dtype=torch.float32), None,
                    (64, 128, 2, 4, 2), t(n, dtype=torch.int32), norm=(t(1, hidden), w, 1e-6))
     fp8_gemv_split(t(1, 2 * hidden), t(n, hidden, dtype=torch.float8_e4m3fn),
