@@ -44,10 +44,10 @@ def test_fp8_triton_gemm_in_the_engine(tiny_models, triton_linears):
 def test_int4_triton_linears_in_the_engine(int4_models, triton_linears):
     llm = LLM(int4_models["gptq"], dtype="float32", kv_cache_memory="16MiB")
     prompt = list(range(3, 120, 3))  # prefill (39 rows): dequantized; decode: the split GEMM
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     hf = tf.AutoModelForCausalLM.from_pretrained(int4_models["gptq-ref"], dtype=torch.float32)
-    assert got == hf_greedy(hf.eval(), prompt, 8)
+    assert got == hf_greedy(hf.eval(), prompt, 4)
 
 
 def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
@@ -75,9 +75,9 @@ def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
                         or real(x, *a))  # fmt: skip
     llm = LLM(int4_models["awq"], dtype="float32", kv_cache_memory="16MiB")
     prompt = list(range(3, 40, 3))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     hf = tf.AutoModelForCausalLM.from_pretrained(int4_models["awq-ref"], dtype=torch.float32)
-    assert got == hf_greedy(hf.eval(), prompt, 6)
+    assert got == hf_greedy(hf.eval(), prompt, 3)
     layers = len(llm.engine.runner.model.layers)
-    assert rows == [(len(prompt), None)] * 4 * layers + [(1, config)] * 5 * 4 * layers
+    assert rows == [(len(prompt), None)] * 4 * layers + [(1, config)] * 2 * 4 * layers
