@@ -27,6 +27,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
+from paged.kernels.fused import rms_scaled, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
@@ -124,16 +125,13 @@ def _input(x_rows, res_rows, g_ptr, kk, ok, K, rstd, NORM: tl.constexpr,
     rounded as the RMSNorm kernel rounds (rstd: the rows' [ROWS])."""
     if NORM:
         s = _residual_sum(x_rows, res_rows, kk, ok)
-        h = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
-        g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        a = (g[None, :] * h.to(tl.float32)).to(s.dtype)
+        g = tl.load(g_ptr + kk, mask=kk < K, other=0.0)
+        a = rms_scaled(s, rstd[:, None], g[None, :], s.dtype).to(s.dtype)
     else:
         a = tl.load(x_rows + kk[None, :], mask=ok, other=0.0)
         if SILU_MUL:
             up = tl.load(x_rows + K + kk[None, :], mask=ok, other=0.0)
-            gate = a.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-            a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+            a = silu_mul(a, up).to(up.dtype)
     return a.to(tl.float32)
 
 

@@ -11,6 +11,23 @@ from paged.kernels import pdl
 
 
 @triton.jit
+def rms_scaled(h, rstd, w, dtype: tl.constexpr):
+    """HF Llama's RMSNorm rounding, in float32: weight * (h * rstd).to(dtype) (rstd: the row's
+    rsqrt(mean(h^2) + eps)); every kernel that applies such a norm rounds through here."""
+    return w.to(tl.float32) * (h.to(tl.float32) * rstd).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up as silu_and_mul rounds it: silu in float32 rounded to up's dtype (as
+    torch's silu in that dtype), the product in float32 (the caller rounds it for its output);
+    every kernel that applies SiLU-and-mul computes it here."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -38,9 +55,8 @@ def _rms_norm_kernel(
         tl.store(r_ptrs, x, mask=mask)
     h = x.to(tl.float32)
     var = tl.sum(h * h, 0) / n_cols
-    h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # HF: weight * h.to(dtype)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = w.to(tl.float32) * h.to(tl.float32)
+    y = rms_scaled(h, tl.rsqrt(var + eps), w, x_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -107,8 +123,8 @@ def _rotate(ptr, stride_t, stride_h, t, n_heads, cos, sin, w_ptr, eps, BLOCK_H: 
         w1 = tl.load(w_ptr + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + c, mask=c < HALF, other=0.0).to(tl.float32)[None, :]
         if NORM == 1:  # HF Llama/Qwen3: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
-            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
-            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+            x1 = rms_scaled(f1, rstd, w1, x1.dtype).to(x1.dtype)
+            x2 = rms_scaled(f2, rstd, w2, x2.dtype).to(x2.dtype)
         else:  # HF Gemma: x * rsqrt(mean(x^2) + eps) * (1 + weight), float32, cast once
             x1 = (f1 * rstd * (1.0 + w1)).to(x1.dtype)
             x2 = (f2 * rstd * (1.0 + w2)).to(x2.dtype)
@@ -209,10 +225,9 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)  # rounded like torch's silu in dtype
-    y = act.to(tl.float32) * up.to(tl.float32)
+    y = silu_mul(gate, up)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
+from paged.kernels.fused import silu_mul
 
 MAX_ROWS = 4
 
@@ -206,10 +207,9 @@ def _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq, f
     SILU_MUL: silu(gate) * up from x's two halves)."""
     k_ok = ks < K
     a = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-    if SILU_MUL:  # silu_and_mul's arithmetic: silu rounded to the dtype, then the product
+    if SILU_MUL:  # silu_and_mul's arithmetic, its output rounded to the dtype
         up = tl.load(x_row + K + ks, mask=k_ok, other=0.0)
-        act = (a / (1.0 + tl.exp(-a))).to(up.dtype)
-        a = (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype).to(tl.float32)
+        a = silu_mul(a, up).to(up.dtype).to(tl.float32)
     if NORM:
         r = tl.load(res_ptr + row * K + ks, mask=k_ok, other=0.0).to(tl.float32)
         s = (a + r).to(x_row.dtype.element_ty)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import moe_routing, pdl
-from paged.kernels.fused import rms_norm, silu_and_mul
+from paged.kernels.fused import rms_norm, silu_and_mul, silu_mul
 from paged.kernels.moe_routing import route_top_k
 
 
@@ -163,9 +163,7 @@ def _pair_gemv(
         gate, up = gate * inv, up * inv
     dtype = c_ptr.dtype.element_ty
     # rounded where HF's bf16 activations round: gate, up, silu(gate), product
-    gate = gate.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    acc = act * up.to(dtype).to(tl.float32)
+    acc = silu_mul(gate.to(dtype), up.to(dtype))
     tl.store(c_ptr + pair * stride_cm + cols, acc.to(dtype), mask=col_ok)
 
 
