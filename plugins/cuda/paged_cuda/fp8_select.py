@@ -23,14 +23,7 @@ from torch import nn
 
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
-from paged_cuda.gemv_select import (
-    choose,
-    gated_linears,
-    graph_time,
-    graph_time_or_inf,
-    model_dtype,
-    normed_linears,
-)
+from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
 
@@ -92,47 +85,28 @@ def device_limits(device: torch.device) -> tuple[int, int]:
 def use_measured_fp8_gemv(model: nn.Module) -> None:
     """Time and install the split fp8 GEMV per weight shape where it beats the unsplit one
     (each timed with the norm or activation before it: its own kernel, or folded in)."""
-    from paged.model import ops
-
     shapes = fp8_linears(model)
     if not shapes:
         return
     device = next(iter(shapes.values()))[0].weight.device
     sms, smem = device_limits(device)
-    dtype = model_dtype(model)
 
     def configs(n: int, k: int) -> list[Config]:
         """The unsplit kernel's tile on the split kernel (what folds the op in), then splits."""
         block_n, block_k, warps, stages = dot_config(n, k, device)
         return [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
 
-    ks = {k for _, k in shapes}
-    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
-    res = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
-    gain = {k: torch.rand(k, device=device, dtype=dtype) + 0.5 for k in ks}
-    gate_up = {k: torch.randn(1, 2 * k, device=device, dtype=dtype) for k in ks}
+    inputs = OpInputs(model, {k for _, k in shapes}, device, model_dtype(model))
     most = max(split_counters(n, c) for n, k in shapes for c in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
-    normed, gated = normed_linears(model), gated_linears(model)
-    norm, act = ops.get("fused_add_rms_norm"), ops.get("silu_and_mul")
 
     def time_unsplit(mods: list[nn.Module]) -> float:
-        k = mods[0].weight.shape[1]
-        x, r, g = xs[k].clone(), res[k].clone(), gain[k]
-
-        def before() -> torch.Tensor:  # the op's own kernel (the norm's in place: no matter)
-            if id(mods[0]) in normed:
-                return norm(x, r, g, 1e-6)[0]
-            return act(gate_up[k]) if id(mods[0]) in gated else x
-
+        before = inputs.unfused(mods[0])
         return graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
                            for m in mods])  # fmt: skip
 
     def time_split(mods: list[nn.Module], config: Config) -> float:
-        k = mods[0].weight.shape[1]
-        folded = (res[k], gain[k], 1e-6) if id(mods[0]) in normed else None
-        silu = id(mods[0]) in gated
-        x = gate_up[k] if silu else xs[k]
+        x, folded, silu = inputs.folded(mods[0])
         calls = [lambda m=m: fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config,
                                             counters, folded, silu) for m in mods]  # fmt: skip
         return graph_time_or_inf(calls)

@@ -131,43 +131,59 @@ def gated_linears(model: nn.Module) -> set[int]:
     return _layer_linears(model, "gated_linears")
 
 
+class OpInputs:
+    """One-row inputs for timing a model's decode linears with the op before each (a residual
+    add and RMSNorm before normed_linears, SiLU-and-mul before gated_linears): random rows per
+    input width K, and how each linear's input comes about unfused and folded."""
+
+    def __init__(self, model: nn.Module, ks: set[int], device: torch.device,
+                 dtype: torch.dtype) -> None:  # fmt: skip
+        from paged.model import ops
+
+        self.x = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
+        self.res = {k: torch.randn(1, k, device=device, dtype=dtype) for k in ks}
+        self.gain = {k: torch.rand(k, device=device, dtype=dtype) + 0.5 for k in ks}
+        self.gate_up = {k: torch.randn(1, 2 * k, device=device, dtype=dtype) for k in ks}
+        self.normed, self.gated = normed_linears(model), gated_linears(model)
+        self.norm, self.act = ops.get("fused_add_rms_norm"), ops.get("silu_and_mul")
+
+    def unfused(self, mod: nn.Module) -> Callable[[], torch.Tensor]:
+        """mod's input by the op's own kernel (a call to capture before the linear's)."""
+        k = mod.weight.shape[1]
+        x, r, g = self.x[k].clone(), self.res[k].clone(), self.gain[k]
+        if id(mod) in self.normed:  # (the norm updates x and r in place: no matter here)
+            return lambda: self.norm(x, r, g, 1e-6)[0]
+        if id(mod) in self.gated:
+            return lambda: self.act(self.gate_up[k])
+        return lambda: x
+
+    def folded(self, mod: nn.Module) -> tuple[torch.Tensor, tuple | None, bool]:
+        """(x, norm, silu_mul): the arguments of a GEMV that folds mod's op in."""
+        k = mod.weight.shape[1]
+        norm = (self.res[k], self.gain[k], 1e-6) if id(mod) in self.normed else None
+        silu = id(mod) in self.gated
+        return (self.gate_up[k] if silu else self.x[k]), norm, silu
+
+
 def use_measured_gemv(model: nn.Module) -> None:
     """Time and install the GEMV per weight shape where it beats cuBLAS at one row. A shape
     whose linears follow a norm (or SiLU-and-mul) is timed with it: cuBLAS after the op's own
     kernel against the GEMV with the op folded in."""
-    from paged.model import ops
-
     shapes = dense_linears(model)
     if not shapes:
         return
-    device = next(iter(shapes.values()))[0].weight.device
-    dtype = next(iter(shapes.values()))[0].weight.dtype
-    xs = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
-    res = {k: torch.randn(1, k, device=device, dtype=dtype) for _, k in shapes}
-    gain = {k: torch.rand(k, device=device, dtype=dtype) + 0.5 for _, k in shapes}
+    first = next(iter(shapes.values()))[0].weight
+    inputs = OpInputs(model, {k for _, k in shapes}, first.device, first.dtype)
     most = max((split_k_counters(n, 1, c) for n, k in shapes for c in candidates(n, k)),
                default=1)  # fmt: skip
-    counters = torch.zeros(most, dtype=torch.int32, device=device)
-    normed, gated = normed_linears(model), gated_linears(model)
-    norm, act = ops.get("fused_add_rms_norm"), ops.get("silu_and_mul")
-    gate_up = {k: torch.randn(1, 2 * k, device=device, dtype=dtype) for _, k in shapes}
+    counters = torch.zeros(most, dtype=torch.int32, device=first.device)
 
     def time_cublas(mods: list[nn.Linear]) -> float:
-        k = mods[0].weight.shape[1]
-        x, r, g = xs[k].clone(), res[k].clone(), gain[k]
-        if id(mods[0]) in normed:  # (the norm updates x and r in place: no matter here)
-            return graph_time([lambda m=m: F.linear(norm(x, r, g, 1e-6)[0], m.weight, m.bias)
-                               for m in mods])  # fmt: skip
-        if id(mods[0]) in gated:
-            return graph_time([lambda m=m: F.linear(act(gate_up[k]), m.weight, m.bias)
-                               for m in mods])  # fmt: skip
-        return graph_time([lambda m=m: F.linear(x, m.weight, m.bias) for m in mods])
+        before = inputs.unfused(mods[0])
+        return graph_time([lambda m=m: F.linear(before(), m.weight, m.bias) for m in mods])
 
     def time_gemv(mods: list[nn.Linear], config) -> float:
-        k = mods[0].weight.shape[1]
-        folded = (res[k], gain[k], 1e-6) if id(mods[0]) in normed else None
-        silu = id(mods[0]) in gated
-        x = gate_up[k] if silu else xs[k]
+        x, folded, silu = inputs.folded(mods[0])
         return graph_time([lambda m=m: gemv_split_k(x, m.weight, m.bias, config, counters,
                                                     folded, silu) for m in mods])  # fmt: skip
 
