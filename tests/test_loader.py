@@ -96,17 +96,11 @@ def test_default_model_missing(monkeypatch):
         default_model_path()
 
 
-@pytest.fixture(scope="module")
-def hf_reference(hf_gguf_reference):
-    """conftest's hf_gguf_reference: transformers' config and weights of the default GGUF."""
-    return hf_gguf_reference
-
-
-def test_gguf_weights_equal_transformers(default_src, default_cfg, hf_reference):
+def test_gguf_weights_equal_transformers(default_src, default_cfg, hf_gguf_reference):
     t0 = time.perf_counter()
     ours = load_all(default_src, default_cfg)
     print(f"GGUF weights loaded in {time.perf_counter() - t0:.1f} s")
-    ref = hf_reference[1]
+    ref = hf_gguf_reference[1]
     assert ours.keys() == ref.keys()
     for name, want in ref.items():
         got = ours[name]
@@ -114,8 +108,8 @@ def test_gguf_weights_equal_transformers(default_src, default_cfg, hf_reference)
         assert torch.equal(got, want), name
 
 
-def test_gguf_config_equals_transformers(default_cfg, hf_reference):
-    ref = hf_reference[0]
+def test_gguf_config_equals_transformers(default_cfg, hf_gguf_reference):
+    ref = hf_gguf_reference[0]
     for field in (
         "hidden_size",
         "intermediate_size",
