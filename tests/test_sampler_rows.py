@@ -40,7 +40,8 @@ def test_the_graph_draw_equals_the_eager_sampler(mix):
     logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     for seed in range(20):
         torch.manual_seed(seed)
-        want = sample(logits.clone(), build_sampling_batch(reqs, logits.device, VOCAB, {}))
+        sb = build_sampling_batch(reqs, logits.device, VOCAB, [5] * len(reqs))
+        want = sample(logits.clone(), sb)
         torch.manual_seed(seed)
         got = sample_rows(logits.clone(), logits.argmax(-1), params, sort)
         assert got.tolist() == want.tolist()
@@ -80,3 +81,23 @@ def test_plain_rows_values():
     rows = plain_rows(views([dict(temperature=0.0, seed=4), dict(temperature=0.9, top_k=7,
                                                                 top_p=0.8, min_p=0.1)]), VOCAB)
     assert rows == [(0.0, VOCAB, 1.0, 0.0), (0.9, 7, 0.8, 0.1)]  # a greedy row's seed: unused
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_position_only():
+    """The same seeded row gives the same token whatever rows are beside it and whatever was
+    drawn before; another position or seed draws other noise."""
+    logits = torch.zeros(3, VOCAB)  # uniform: the token is the noise's argmin
+
+    def draw(kwargs: list[dict], index: list[int]) -> list[int]:
+        sb = build_sampling_batch(views(kwargs), logits.device, VOCAB, index)
+        return sample(logits[: len(kwargs)].clone(), sb).tolist()
+
+    seeded = dict(temperature=1.0, seed=7)
+    alone = draw([seeded], [12])[0]
+    torch.manual_seed(0)
+    assert draw([dict(temperature=1.0), seeded, dict(temperature=0.5)], [3, 12, 40])[1] == alone
+    assert draw([seeded], [12])[0] == alone  # after other draws
+    others = {draw([seeded], [i])[0] for i in range(13, 33)} | {
+        draw([dict(temperature=1.0, seed=s)], [12])[0] for s in range(8, 28)
+    }
+    assert len(others) > 10  # 40 draws over 97 tokens

@@ -233,17 +233,21 @@ def test_overlapped_steps(tiny, head, reference):
     assert spec_stats(llm)["spec_decode_num_drafts"] > 0
 
 
-def test_sampling_and_several_sequences(eagle):
+def test_seeded_sampling_and_several_sequences_equal_plain_decoding(tiny, eagle):
+    """Seeded draws are keyed by position: proposals and verification draw what plain
+    decoding draws, so the output is plain decoding's, cold or warm prefix cache."""
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12,
                             ignore_eos=True, n=2)  # fmt: skip
 
-    def run() -> list[list[list[int]]]:
-        outs = eagle.generate(prompts()[1:3], params, use_tqdm=False)
+    def run(llm: LLM) -> list[list[list[int]]]:
+        outs = llm.generate(prompts()[1:3], params, use_tqdm=False)
         return [[c.token_ids for c in o.outputs] for o in outs]
 
-    first = run()
-    assert first == run()
-    assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for seqs in first for t in seqs)
+    plain = LLM(tiny, dtype="float32", num_kv_blocks=96, max_num_batched_tokens=32)
+    want = run(plain)
+    assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for seqs in want for t in seqs)
+    assert run(eagle) == want
+    assert run(eagle) == want
     assert eagle.engine.kv.num_free_blocks == eagle.engine.num_blocks
 
 

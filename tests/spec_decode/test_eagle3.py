@@ -240,7 +240,7 @@ def test_full_vocabulary_head_with_its_own_embedding(target, tmp_path, reference
     assert seen and all(props == ref.propose(t, len(props)) for t, props in seen[:20])
 
 
-def test_sampling(eagle3, head):
+def test_sampling(eagle3, target, head):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12,
                             ignore_eos=True, n=2)  # fmt: skip
     spec = eagle3.engine.spec
@@ -258,6 +258,9 @@ def test_sampling(eagle3, head):
         spec.draft.propose = propose
     tokens = [c.token_ids for o in outs for c in o.outputs]
     assert all(len(t) == 12 and all(0 <= x < V for x in t) for t in tokens)
+    plain = LLM(target, dtype="float32", num_kv_blocks=96, max_num_batched_tokens=32)
+    outs = plain.generate(prompts()[1:3], params, use_tqdm=False)
+    assert tokens == [c.token_ids for o in outs for c in o.outputs]  # seeded: plain's draws
     assert qs  # the head's distributions, over the target's vocabulary
     outside = sorted(set(range(V)) - draft_ids(head))
     for q in qs:

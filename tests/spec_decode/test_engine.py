@@ -145,19 +145,30 @@ def test_logprobs_match_plain_decoding(self_draft, plain):
                 assert abs(la[t].logprob - lb[t].logprob) < 1e-4
 
 
-def test_seeded_sampling_repeats_and_frees(self_draft):
-    ps = prompts()[1:3]
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12,
-                            ignore_eos=True, n=2)  # fmt: skip
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=3, max_tokens=12,
+                        ignore_eos=True, n=2)  # fmt: skip
 
-    def run() -> list[list[list[int]]]:
-        outs = self_draft.generate(ps, params, use_tqdm=False)
-        return [[c.token_ids for c in o.outputs] for o in outs]
 
-    first, again = run(), run()
-    assert first == again
-    assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for seqs in first for t in seqs)
-    check_pool(self_draft)
+def sampled(llm: LLM) -> list[list[list[int]]]:
+    outs = llm.generate(prompts()[1:3], SEEDED, use_tqdm=False)
+    check_pool(llm)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_seeded_sampling_equals_plain_seeded_sampling(tiny, self_draft, plain, method):
+    """A seeded request draws each position's noise from (seed, position): its proposals and
+    their verification draw what plain decoding draws, so the tokens are plain decoding's,
+    whatever the proposals and the batch (cold and warm prefix cache alike)."""
+    llm = self_draft if method == "self" else spec_llm(tiny, NGRAM)
+    want = sampled(plain)
+    assert all(len(t) == 12 and all(0 <= x < 320 for x in t) for seqs in want for t in seqs)
+    assert sampled(llm) == want
+    assert sampled(llm) == want
+    s = spec_stats(llm)
+    assert s["spec_decode_num_draft_tokens"] > 0
+    if method == "self":  # the draft draws with the target's noise from the same distribution
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
 
 
 def test_preemption(tiny, reference):

@@ -8,9 +8,13 @@ padded to K + 1, and how many of them are real (accepted + 1).
 Greedy: accept while the target's argmax equals the proposal; the argmax at the first mismatch
 (or after the last proposal) follows. Exact: the tokens plain greedy decoding would produce.
 
-Random: proposal x at row j is accepted with probability min(1, p(x) / q(x)); at the first
-rejection the token is drawn from norm(max(0, p - q)); after all acceptances from p. With q a
-point mass (n-gram proposals, greedy drafts) that is: accept with p(x), else draw from p
+Seeded requests verify as greedy ones do, against the token plain seeded sampling draws at
+each row (their noise is keyed by position; their proposals were drawn with the same noise):
+the output is the plain decoding's, and distributed as p.
+
+Random (unseeded): proposal x at row j is accepted with probability min(1, p(x) / q(x)); at
+the first rejection the token is drawn from norm(max(0, p - q)); after all acceptances from p.
+With q a point mass (n-gram proposals, greedy drafts) that is: accept with p(x), else draw from p
 without x. The output is distributed as p at every position (Leviathan et al., 2023).
 """
 
@@ -76,12 +80,11 @@ def rejection_verify(
     draft: torch.Tensor,
     num_draft: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    generators: list[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`probs` [R, V] the target's normalised sampling distribution per flat row, `draft`
     [B, K] (padded), `num_draft` [B], `draft_probs` [B, K, V] the proposals' distributions
-    (None: point masses at `draft`), `generators`: per request, a seeded generator or None
-    (torch's default). Returns (tokens [B, K + 1], count [B])."""
+    (None: point masses at `draft`); draws from torch's default generator. Returns (tokens
+    [B, K + 1], count [B])."""
     b, k = draft.shape
     dev = probs.device
     rows = padded_rows(num_draft, k)  # [B, K + 1]
@@ -91,14 +94,8 @@ def rejection_verify(
         if draft_probs is None
         else draft_probs.gather(2, draft[..., None]).squeeze(2)
     )
-    uniform = torch.empty(b, k, device=dev, dtype=probs.dtype)
-    noise = torch.empty(b, probs.shape[1], device=dev, dtype=probs.dtype)
-    uniform.uniform_()
-    noise.exponential_()
-    for i, gen in enumerate(generators):  # seeded requests draw from their own generator
-        if gen is not None:
-            uniform[i].uniform_(generator=gen)
-            noise[i].exponential_(generator=gen)
+    uniform = torch.empty(b, k, device=dev, dtype=probs.dtype).uniform_()
+    noise = torch.empty(b, probs.shape[1], device=dev, dtype=probs.dtype).exponential_()
     valid = torch.arange(k, device=dev)[None, :] < num_draft[:, None]
     ok = (uniform * q_x < p_x) & valid  # u < p / q
     accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)  # [B]

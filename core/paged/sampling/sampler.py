@@ -1,12 +1,16 @@
 """Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds.
 
-Random draws use the exponential race (argmax of p / Exp(1)), so a seeded request draws
-from its own generator and gets the same tokens whatever else is in the batch.
+Random draws use the exponential race (argmax of p / Exp(1)). A seeded request's noise for
+the token at sequence index i comes from (seed, i) alone, so it gets the same tokens whatever
+else is in the batch, however its steps were scheduled (chunks, preemption, overlap) and with
+or without speculation: a speculative step's proposals and verification draw the same noise.
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +30,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [N] float32
     min_p: torch.Tensor | None  # [N] float32
     all_greedy: bool
-    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    seeded: dict[int, int]  # row -> noise key of a seeded row (noise_key(seed, index))
     penalties: tuple[torch.Tensor, ...] | None  # repetition, presence, frequency [N]
     reqs: list[RequestView]
     min_tokens_mask: list[tuple[int, list[int]]]  # (row, token ids to forbid)
@@ -49,14 +53,38 @@ class SamplingBatch:
         )
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw for the token at sequence index `index`."""
+    return _splitmix64((_splitmix64(seed & _MASK64) + index) & _MASK64)
+
+
+_local = threading.local()  # a generator per device and thread, reseeded at every draw
+
+
+def seeded_exponential(out: torch.Tensor, key: int) -> None:
+    """Fill `out` with Exp(1) noise that depends on `key` alone."""
+    gens = _local.__dict__.setdefault("gens", {})
+    gen = gens.get(out.device)
+    if gen is None:
+        gen = gens[out.device] = torch.Generator(device=out.device)
+    out.exponential_(generator=gen.manual_seed(key))
+
+
 def build_sampling_batch(
-    reqs: list[RequestView],
-    device: torch.device,
-    vocab_size: int,
-    generators: dict[str, torch.Generator],
+    reqs: list[RequestView], device: torch.device, vocab_size: int, indices: Sequence[int]
 ) -> SamplingBatch:
-    """`generators`: the worker's per-request generators of seeded requests (by request id),
-    created here on a request's first random draw; they survive preemption."""
+    """`indices`: per row, the sequence index of the token it samples (a seeded row's noise
+    is keyed by it)."""
     ps = [r.params for r in reqs]
     greedy = [p.greedy for p in ps]
     simple = all(greedy) and not any(
@@ -72,14 +100,11 @@ def build_sampling_batch(
     any_p = any(p.top_p < 1.0 for p in ps)
     any_min_p = any(p.min_p > 0 for p in ps)
     any_pen = any(p.needs_penalties for p in ps)
-    gens: dict[int, torch.Generator] = {}
-    for i, (r, g) in enumerate(zip(reqs, greedy)):
-        if not g and r.params.seed is not None:
-            gen = generators.get(r.request_id)
-            if gen is None:
-                gen = generators[r.request_id] = torch.Generator(device=device)
-                gen.manual_seed(r.params.seed)
-            gens[i] = gen
+    seeded = {
+        i: noise_key(p.seed, index)
+        for i, (p, g, index) in enumerate(zip(ps, greedy, indices))
+        if not g and p.seed is not None
+    }
     min_tok = []
     for i, r in enumerate(reqs):
         p = r.params
@@ -99,7 +124,7 @@ def build_sampling_batch(
         top_p=dev([p.top_p for p in ps], torch.float32) if any_p else None,
         min_p=dev([p.min_p for p in ps], torch.float32) if any_min_p else None,
         all_greedy=all(greedy),
-        generators=gens,
+        seeded=seeded,
         penalties=(
             dev([p.repetition_penalty for p in ps], torch.float32),
             dev([p.presence_penalty for p in ps], torch.float32),
@@ -177,7 +202,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     greedy_ids = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy_ids
-    return _draw(logits, greedy_ids, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.generators)
+    return _draw(logits, greedy_ids, sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seeded)
 
 
 def plain_rows(reqs: list[RequestView], vocab_size: int) -> list[tuple] | None:
@@ -191,7 +216,7 @@ def plain_rows(reqs: list[RequestView], vocab_size: int) -> list[tuple] | None:
             return None
         if p.greedy:
             rows.append((0.0, vocab_size, 1.0, 0.0))
-        elif p.seed is not None:  # its own generator
+        elif p.seed is not None:  # its keyed noise
             return None
         else:
             rows.append((p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p))
@@ -217,10 +242,10 @@ def _draw(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     min_p: torch.Tensor | None,
-    generators: dict[int, torch.Generator],
+    seeded: dict[int, int],
 ) -> torch.Tensor:
     """The random draw (rows at temperature 0 keep greedy_ids): the exponential race over the
-    filtered distribution, seeded rows from their generators."""
+    filtered distribution, seeded rows with their keyed noise."""
     scaled = logits / torch.where(temp > 0, temp, 1.0)[:, None]
     if top_k is not None or top_p is not None:
         scaled = _top_k_top_p(scaled, top_k, top_p)
@@ -229,8 +254,8 @@ def _draw(
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
     noise = torch.empty_like(probs).exponential_()
-    for row, gen in generators.items():
-        noise[row].exponential_(generator=gen)
+    for row, key in seeded.items():
+        seeded_exponential(noise[row], key)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temp > 0, sampled, greedy_ids)
 

@@ -8,7 +8,9 @@ token budget), then decodes one token at a time: each request's newest proposal 
 out, k proposals in all. For a greedy request the proposer's argmax (a point mass for the
 verification); for a sampling request a draw from the proposer's distribution under the
 request's own temperature / top-k / top-p / min-p / logit bias, kept as q for the rejection
-sampler (a proposer like the target is then mostly accepted). Its KV at a rejected proposal's
+sampler (a proposer like the target is then mostly accepted). A seeded request's draw uses
+the noise the target's draw at that position will use, so the two agree where the
+distributions are alike. Its KV at a rejected proposal's
 position is overwritten when the sequence gets there, as the target's.
 """
 
@@ -18,7 +20,7 @@ import torch
 
 from paged.sampling.params import SamplingParams
 from paged.sampling.rejection import apply_logit_bias, sampling_probs
-from paged.sampling.sampler import build_sampling_batch
+from paged.sampling.sampler import build_sampling_batch, seeded_exponential
 from paged.scheduled import ScheduledBatch
 
 
@@ -41,6 +43,9 @@ class DraftView:
         self.want = want
 
     num_tokens = property(lambda self: len(self.token_ids))
+    # the sequence index of the token its last row proposes (the EAGLE head's views are
+    # shifted by one)
+    next_index = property(lambda self: len(self.token_ids))
     num_output_tokens = property(lambda self: 0)
     output_token_ids = property(lambda self: [])
     group_block_ids = property(lambda self: [self.block_ids])
@@ -57,8 +62,7 @@ class RunnerProposer:
         self.probs: dict[str, list[torch.Tensor]] = {}
 
     def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.runner.generators.pop(rid, None)
+        """Drop what is kept for requests that ended."""
 
     def views(self, batch: ScheduledBatch, items: list) -> list[DraftView]:
         raise NotImplementedError
@@ -135,12 +139,13 @@ class RunnerProposer:
             reqs = [self.reqs[views[i].request_id] for i in sampled]
             at = torch.tensor(sampled, device=logits.device)
             rows = logits[at]
-            sb = build_sampling_batch(reqs, logits.device, r.vocab_size, r.generators)
+            index = [views[i].next_index for i in sampled]
+            sb = build_sampling_batch(reqs, logits.device, r.vocab_size, index)
             apply_logit_bias(rows, sb)
             q = sampling_probs(rows, sb)
             noise = torch.empty_like(q).exponential_()
-            for row, gen in sb.generators.items():
-                noise[row].exponential_(generator=gen)
+            for row, key in sb.seeded.items():
+                seeded_exponential(noise[row], key)
             tokens[at] = (q / noise).argmax(-1)
             for j, i in enumerate(sampled):
                 self.probs.setdefault(views[i].request_id, []).append(q[j])

@@ -175,6 +175,7 @@ class _HeadView(DraftView):
 
     hidden: torch.Tensor
     hidden_start: int
+    next_index = property(lambda self: len(self.token_ids) + 1)
 
 
 class EagleProposer(RunnerProposer):

@@ -2,9 +2,10 @@
 verifies proposals (its last accepted token and each proposal: 1 + k rows) -> accepted tokens.
 
 Requests of the step without proposals sample as in any step (bitmask, penalties and all);
-the verifying ones are greedy (exact) or random (rejection sampling), their rows processed as
-the sampler processes a row: logit bias, temperature, top-k, top-p, min-p. Logprobs come from
-each row's raw logits (with the bias), as in plain steps.
+the verifying ones are exact (greedy, or seeded: each row's token is the one plain decoding
+draws there, and proposals are accepted while they equal it) or random (rejection sampling),
+their rows processed as the sampler processes a row: logit bias, temperature, top-k, top-p,
+min-p. Logprobs come from each row's raw logits (with the bias), as in plain steps.
 """
 
 from __future__ import annotations
@@ -43,28 +44,33 @@ def _logprob_tensors(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor
     return out
 
 
-def _verify(runner, reqs: list, logits: torch.Tensor, drafts: list[list[int]], qs: list) -> tuple:
-    """Verify one group (all greedy or all random). `logits`: its flat rows (changed in place
-    by the logit bias); `qs`: per request the distributions its proposals were drawn from
-    ([k, V] on the device) or None (point masses). Returns (tokens [B, K+1], count [B],
-    logprob tensors or None)."""
+def _exact(req) -> bool:
+    """Whether a request's verification is exact: greedy, or seeded (its noise is keyed)."""
+    return req.params.greedy or req.params.seed is not None
+
+
+def _verify(
+    runner, reqs: list, index: list[int], logits: torch.Tensor, drafts: list[list[int]], qs: list
+) -> tuple:
+    """Verify one group (all exact or all random). `index`: per request the sequence index of
+    its first row's token; `logits`: the group's flat rows (changed in place by the logit
+    bias); `qs`: per request the distributions its proposals were drawn from ([k, V] on the
+    device) or None (point masses). Returns (tokens [B, K+1], count [B], logprob tensors or
+    None)."""
     dev = logits.device
     expanded = [r for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
-    sb = build_sampling_batch(expanded, dev, runner.vocab_size, runner.generators)
-    apply_logit_bias(logits, sb)
+    rows_index = [i + j for i, d in zip(index, drafts) for j in range(len(d) + 1)]
+    sb = build_sampling_batch(expanded, dev, runner.vocab_size, rows_index)
     k = max(len(d) for d in drafts)
     draft = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64)
     num_draft = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
     draft, num_draft = draft.to(dev), num_draft.to(dev)
-    if sb.all_greedy:
-        tokens, count = greedy_verify(logits.argmax(-1), draft, num_draft)
+    if _exact(reqs[0]):  # the tokens plain decoding picks at each row (bias added in place)
+        tokens, count = greedy_verify(sample(logits, sb), draft, num_draft)
     else:
-        firsts, row = [], 0
-        for d in drafts:
-            firsts.append(sb.generators.get(row))
-            row += len(d) + 1
+        apply_logit_bias(logits, sb)
         q = _draft_probs(drafts, qs, k, logits.shape[1], dev)
-        tokens, count = rejection_verify(sampling_probs(logits, sb), draft, num_draft, q, firsts)
+        tokens, count = rejection_verify(sampling_probs(logits, sb), draft, num_draft, q)
     want = [r.params.logprobs for r in reqs]
     lps = None
     if any(w is not None for w in want):
@@ -86,9 +92,12 @@ def _draft_probs(drafts: list[list[int]], qs: list, k: int, vocab: int, dev) -> 
     return out
 
 
-def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> StepHandle:
+def launch_verify(
+    runner, batch, reqs: list, index: list[int], logits: torch.Tensor, mask
+) -> StepHandle:
     """Sample the plain rows and verify the proposals of a step with `batch.spec`. `logits`:
-    the sampling rows in `reqs` order (1 + k rows for a request with k proposals)."""
+    the sampling rows in `reqs` order (1 + k rows for a request with k proposals); `index`:
+    per request the sequence index of the token its last row samples."""
     dev = logits.device
     counts = [1 + len(batch.spec.get(r.request_id, ())) for r in reqs]
     starts, at = [], 0
@@ -100,7 +109,7 @@ def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> Step
     if plain:
         sub = [reqs[i] for i in plain]
         rows = logits[torch.tensor([starts[i] for i in plain], device=dev)]
-        sb = build_sampling_batch(sub, dev, runner.vocab_size, runner.generators)
+        sb = build_sampling_batch(sub, dev, runner.vocab_size, [index[i] for i in plain])
         if mask is not None:
             sb.bitmask = bitmask_rows(mask, sub, dev)
         tok = sample(rows, sb)
@@ -112,12 +121,8 @@ def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> Step
                                    tok[:, None], top)  # fmt: skip
         ones = torch.ones(len(sub), dtype=torch.int64, device=dev)
         groups.append(_Group(plain, tok[:, None], ones, lps))
-    for greedy in (True, False):
-        idx = [
-            i
-            for i, r in enumerate(reqs)
-            if r.request_id in batch.spec and r.params.greedy == greedy
-        ]
+    for exact in (True, False):
+        idx = [i for i, r in enumerate(reqs) if r.request_id in batch.spec and _exact(r) == exact]
         if not idx:
             continue
         flat = torch.tensor(
@@ -126,7 +131,8 @@ def launch_verify(runner, batch, reqs: list, logits: torch.Tensor, mask) -> Step
         drafts = [list(batch.spec[reqs[i].request_id]) for i in idx]
         sub = [reqs[i] for i in idx]
         qs = [batch.spec_probs.get(r.request_id) for r in sub]
-        tokens, count, lps = _verify(runner, sub, logits[flat.to(dev)], drafts, qs)
+        first_index = [index[i] - counts[i] + 1 for i in idx]
+        tokens, count, lps = _verify(runner, sub, first_index, logits[flat.to(dev)], drafts, qs)
         groups.append(_Group(idx, tokens, count, lps))
     first = torch.empty(len(reqs), dtype=torch.int64, device=dev)  # read by an overlapped
     for g in groups:  # next step where a plain request's newest token is still pending

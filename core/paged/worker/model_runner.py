@@ -120,7 +120,6 @@ class ModelRunner:
         self.overlap = bool(
             platform.overlap_steps if config.async_scheduling is None else config.async_scheduling
         )
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' sampling state
         self.pooler = Pooler()  # embedding requests' vectors (and their state across chunks)
         # (batch, every row's final hidden state) after each step's forward: EAGLE reads them
         # (the inputs of the model's aux_layers instead where it has them: EAGLE-3)
@@ -288,8 +287,6 @@ class ModelRunner:
     def _launch(self, batch: ScheduledBatch, prev: StepHandle | None) -> StepHandle:
         """Input tokens still pending from `prev` (the step in flight) are taken from its
         sampled tokens on the device."""
-        for rid in batch.finished_ids:
-            self.generators.pop(rid, None)
         if prev is not None:  # its tokens feed this step
             prev.finish()
         prev_rows = prev.rows if prev is not None else None
@@ -323,11 +320,13 @@ class ModelRunner:
             tail = self._decode_tail(input_ids, positions, meta, logits_idx)
             if tail is None:
                 hidden = self.forward(input_ids, positions, meta, logits_idx)
-        reqs = [
-            r
+        # the requests that sample, and the sequence index of the token each samples
+        sampling = [
+            (r, int(s))
             for r, s in zip(batch.reqs, meta.seq_lens_cpu)
             if s >= r.num_tokens and r.params.pooling is None
         ]
+        reqs, index = [r for r, _ in sampling], [i for _, i in sampling]
         if logits_idx.numel() == 0:
             return StepHandle(reqs, None, [], None)
         logits, greedy = tail if tail is not None else (self.model.compute_logits(hidden), None)
@@ -344,22 +343,24 @@ class ModelRunner:
             from paged.spec_decode.verify import launch_verify
 
             mask = batch.token_bitmask
-            handle = launch_verify(self, batch, reqs, logits, mask() if callable(mask) else mask)
+            mask = mask() if callable(mask) else mask
+            handle = launch_verify(self, batch, reqs, index, logits, mask)
             handle.prompt = prompt
             handle.prompt_host = self._host_copies(handle, prompt[1] if prompt else [])
             return handle
         if batch.forks:  # forked sequences sample from their leader's row
-            logits, reqs = fork_rows(logits, reqs, batch.forks)
+            logits, reqs, index = fork_rows(logits, reqs, index, batch.forks)
             greedy = None
         handle = StepHandle(reqs, None, [r.params.logprobs for r in reqs], None)
         handle.prompt = prompt
         mask = batch.token_bitmask  # structured outputs etc.: masked in the sampler
         if getattr(mask, "deferred", False):  # the engine finishes the step once it is filled
-            handle.pending = partial(self._sample_deferred, handle, logits, mask, prompt, greedy)
+            handle.pending = partial(self._sample_deferred, handle, index, logits, mask, prompt,
+                                     greedy)
             return handle
         if callable(mask):  # filled now, while the device runs the queued forward
             mask = mask()
-        self._sample(handle, logits, mask, prompt, greedy)
+        self._sample(handle, index, logits, mask, prompt, greedy)
         return handle
 
     def _decode_tail(self, input_ids, positions, meta, logits_idx) -> tuple | None:
@@ -369,22 +370,23 @@ class ModelRunner:
         return self.step_runner.decode_logits(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def _sample_deferred(self, handle: StepHandle, logits: torch.Tensor, mask, prompt,
-                         greedy: torch.Tensor | None) -> None:  # fmt: skip
-        self._sample(handle, logits, mask(), prompt, greedy)
+    def _sample_deferred(self, handle: StepHandle, index: list[int], logits: torch.Tensor,
+                         mask, prompt, greedy: torch.Tensor | None) -> None:  # fmt: skip
+        self._sample(handle, index, logits, mask(), prompt, greedy)
 
-    def _sample(self, handle: StepHandle, logits: torch.Tensor, mask, prompt,
+    def _sample(self, handle: StepHandle, index: list[int], logits: torch.Tensor, mask, prompt,
                 greedy: torch.Tensor | None = None) -> None:  # fmt: skip
         """Queue the step's sampling (masked by `mask`, the structured outputs' bitmask, or
-        None), its logprobs, and the host copies `handle` reads. `greedy`: the rows' argmax
-        already taken (in the decode graph), the tokens when nothing else applies."""
+        None), its logprobs, and the host copies `handle` reads. `index`: per row, the
+        sequence index of the token it samples. `greedy`: the rows' argmax already taken (in
+        the decode graph), the tokens when nothing else applies."""
         reqs, want = handle.reqs, handle.want
         k = max((w or 0 for w in want), default=0)
         tokens = None
         if greedy is not None and mask is None:  # the decode graph ran the tail
             tokens = self._sample_in_graph(reqs, greedy)
         if tokens is None:
-            sb = build_sampling_batch(reqs, self.device, self.vocab_size, self.generators)
+            sb = build_sampling_batch(reqs, self.device, self.vocab_size, index)
             if mask is not None:
                 sb.bitmask = bitmask_rows(mask, reqs, self.device, self.platform.pin_memory)
             tokens = greedy if greedy is not None and sb.argmax_only else sample(logits, sb)
@@ -492,13 +494,16 @@ class ModelRunner:
         return host.copy_(t, non_blocking=True)
 
 
-def fork_rows(logits: torch.Tensor, reqs: list, forks: list) -> tuple[torch.Tensor, list]:
-    """Logits and requests with a copy of each leader's row for every sequence forked from it,
-    after the batch's own rows."""
+def fork_rows(
+    logits: torch.Tensor, reqs: list, index: list[int], forks: list
+) -> tuple[torch.Tensor, list, list[int]]:
+    """Logits, requests and sampled tokens' indices with a copy of each leader's row for
+    every sequence forked from it, after the batch's own rows."""
     row = {id(r): i for i, r in enumerate(reqs)}
     idx = [row[id(lead)] for lead, seqs in forks for _ in seqs]
     extra = logits[torch.tensor(idx, device=logits.device)]
-    return torch.cat([logits, extra]), [*reqs, *(s for _, seqs in forks for s in seqs)]
+    forked = [s for _, seqs in forks for s in seqs]
+    return torch.cat([logits, extra]), [*reqs, *forked], [*index, *(index[i] for i in idx)]
 
 
 def prompt_logprobs(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list, list]:
