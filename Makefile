@@ -31,9 +31,10 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[docs]'
 	touch $@
 
-# The suite without the soak runs (marked slow); test-slow runs those (CI runs both).
+# The suite without the soak runs (marked slow), on two workers (tests/conftest.py groups
+# them); test-slow runs those (CI runs both).
 test: $(VENV)/.test-installed
-	bash ci/test.sh -m "not slow"
+	bash ci/test.sh -m "not slow" -n 2 --dist loadgroup
 
 test-slow: $(VENV)/.test-installed
 	bash ci/test.sh -m slow
