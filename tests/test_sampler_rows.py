@@ -27,7 +27,8 @@ MIXES = {
 
 def views(kwargs: list[dict]) -> list[SimpleNamespace]:
     return [SimpleNamespace(params=SamplingParams(max_tokens=4, **kw), request_id=str(i),
-                            num_output_tokens=0) for i, kw in enumerate(kwargs)]  # fmt: skip
+                            num_prompt_tokens=0, num_output_tokens=0)
+            for i, kw in enumerate(kwargs)]  # fmt: skip
 
 
 @pytest.mark.parametrize("mix", MIXES)

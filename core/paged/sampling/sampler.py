@@ -1,7 +1,7 @@
 """Batched sampling on the device: penalties, temperature, top-k, top-p, min-p, seeds.
 
 Random draws use the exponential race (argmax of p / Exp(1)). A seeded request's noise for
-the token at sequence index i comes from (seed, i) alone, so it gets the same tokens whatever
+its i-th output token comes from (seed, i) alone, so it gets the same tokens whatever
 else is in the batch, however its steps were scheduled (chunks, preemption, overlap) and with
 or without speculation: a speculative step's proposals and verification draw the same noise.
 """
@@ -64,7 +64,7 @@ def _splitmix64(x: int) -> int:
 
 
 def noise_key(seed: int, index: int) -> int:
-    """The generator seed of a seeded request's draw for the token at sequence index `index`."""
+    """The generator seed of a seeded request's draw for its output token `index`."""
     return _splitmix64((_splitmix64(seed & _MASK64) + index) & _MASK64)
 
 
@@ -84,7 +84,7 @@ def build_sampling_batch(
     reqs: list[RequestView], device: torch.device, vocab_size: int, indices: Sequence[int]
 ) -> SamplingBatch:
     """`indices`: per row, the sequence index of the token it samples (a seeded row's noise
-    is keyed by it)."""
+    is keyed by its place in the output)."""
     ps = [r.params for r in reqs]
     greedy = [p.greedy for p in ps]
     simple = all(greedy) and not any(
@@ -100,10 +100,10 @@ def build_sampling_batch(
     any_p = any(p.top_p < 1.0 for p in ps)
     any_min_p = any(p.min_p > 0 for p in ps)
     any_pen = any(p.needs_penalties for p in ps)
-    seeded = {
-        i: noise_key(p.seed, index)
-        for i, (p, g, index) in enumerate(zip(ps, greedy, indices))
-        if not g and p.seed is not None
+    seeded = {  # keyed by the token's place in the output (the prompt's length aside)
+        i: noise_key(r.params.seed, index - r.num_prompt_tokens)
+        for i, (r, g, index) in enumerate(zip(reqs, greedy, indices))
+        if not g and r.params.seed is not None
     }
     min_tok = []
     for i, r in enumerate(reqs):
