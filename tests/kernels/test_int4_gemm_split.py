@@ -126,6 +126,10 @@ def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch):
     from paged.quantization.gguf import GgufIntMethod
     from paged.quantization.int4 import Int4Method
 
+    from paged.model import ops
+
+    # the torch reference ops, whatever an engine of an earlier test installed
+    monkeypatch.setattr(ops, "_active", dict(ops._DEFAULTS))
     configs = []
     real = int4_gemm.int4_gemm_split
     monkeypatch.setattr(int4_gemm, "int4_gemm_split",
