@@ -122,11 +122,10 @@ def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch):
     groups of 128 and dequantizes GGUF's narrower groups."""
     from paged.kernels import int4_gemm
     from paged.kernels.int4_gemm_split import code_bits
+    from paged.model import ops
     from paged.quantization.base import QuantLinear
     from paged.quantization.gguf import GgufIntMethod
     from paged.quantization.int4 import Int4Method
-
-    from paged.model import ops
 
     # the torch reference ops, whatever an engine of an earlier test installed
     monkeypatch.setattr(ops, "_active", dict(ops._DEFAULTS))
