@@ -9,8 +9,8 @@ Greedy: accept while the target's argmax equals the proposal; the argmax at the 
 (or after the last proposal) follows. Exact: the tokens plain greedy decoding would produce.
 
 Seeded requests verify as greedy ones do, against the token plain seeded sampling draws at
-each row (their noise is keyed by position; their proposals were drawn with the same noise):
-the output is the plain decoding's, and distributed as p.
+each row (their noise is keyed by output position; their proposals were drawn with the same
+noise): the output is the plain decoding's, and distributed as p.
 
 Random (unseeded): proposal x at row j is accepted with probability min(1, p(x) / q(x)); at
 the first rejection the token is drawn from norm(max(0, p - q)); after all acceptances from p.

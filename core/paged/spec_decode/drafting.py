@@ -10,8 +10,8 @@ verification); for a sampling request a draw from the proposer's distribution un
 request's own temperature / top-k / top-p / min-p / logit bias, kept as q for the rejection
 sampler (a proposer like the target is then mostly accepted). A seeded request's draw uses
 the noise the target's draw at that position will use, so the two agree where the
-distributions are alike. Its KV at a rejected proposal's
-position is overwritten when the sequence gets there, as the target's.
+distributions are alike. Its KV at a rejected proposal's position is overwritten when the
+sequence gets there, as the target's.
 """
 
 from __future__ import annotations
