@@ -71,13 +71,22 @@ def noise_key(seed: int, index: int) -> int:
 _local = threading.local()  # a generator per device and thread, reseeded at every draw
 
 
-def seeded_exponential(out: torch.Tensor, key: int) -> None:
+def _seeded_exponential(out: torch.Tensor, key: int) -> None:
     """Fill `out` with Exp(1) noise that depends on `key` alone."""
     gens = _local.__dict__.setdefault("gens", {})
     gen = gens.get(out.device)
     if gen is None:
         gen = gens[out.device] = torch.Generator(device=out.device)
     out.exponential_(generator=gen.manual_seed(key))
+
+
+def exponential_race(probs: torch.Tensor, seeded: dict[int, int]) -> torch.Tensor:
+    """A draw from each row of `probs` [N, V] (normalised or not): argmax of p / Exp(1),
+    torch's default generator's noise except for the seeded rows' keyed noise (row -> key)."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, key in seeded.items():
+        _seeded_exponential(noise[row], key)
+    return (probs / noise).argmax(dim=-1)
 
 
 def build_sampling_batch(
@@ -253,11 +262,7 @@ def _draw(
     if min_p is not None:
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
-    noise = torch.empty_like(probs).exponential_()
-    for row, key in seeded.items():
-        seeded_exponential(noise[row], key)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(temp > 0, sampled, greedy_ids)
+    return torch.where(temp > 0, exponential_race(probs, seeded), greedy_ids)
 
 
 def _top_k_top_p(

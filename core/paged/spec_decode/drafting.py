@@ -20,7 +20,7 @@ import torch
 
 from paged.sampling.params import SamplingParams
 from paged.sampling.rejection import apply_logit_bias, sampling_probs
-from paged.sampling.sampler import build_sampling_batch, seeded_exponential
+from paged.sampling.sampler import build_sampling_batch, exponential_race
 from paged.scheduled import ScheduledBatch
 
 
@@ -143,10 +143,7 @@ class RunnerProposer:
             sb = build_sampling_batch(reqs, logits.device, r.vocab_size, index)
             apply_logit_bias(rows, sb)
             q = sampling_probs(rows, sb)
-            noise = torch.empty_like(q).exponential_()
-            for row, key in sb.seeded.items():
-                seeded_exponential(noise[row], key)
-            tokens[at] = (q / noise).argmax(-1)
+            tokens[at] = exponential_race(q, sb.seeded)
             for j, i in enumerate(sampled):
                 self.probs.setdefault(views[i].request_id, []).append(q[j])
         return tokens.tolist()
