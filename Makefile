@@ -31,10 +31,10 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[docs]'
 	touch $@
 
-# The suite without the soak runs (marked slow), on two workers (tests/conftest.py groups
-# them); test-slow runs those (CI runs both).
+# The suite without the soak runs (marked slow), on two workers, a module's tests on one (they
+# share its servers and engines); test-slow runs those (CI runs both).
 test: $(VENV)/.test-installed
-	bash ci/test.sh -m "not slow" -n 2 --dist loadgroup
+	bash ci/test.sh -m "not slow" -n 2 --dist loadfile
 
 test-slow: $(VENV)/.test-installed
 	bash ci/test.sh -m slow

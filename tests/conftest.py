@@ -11,18 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tiny_hf import make_tiny  # noqa: E402
 
-# `make test` runs two pytest-xdist workers (--dist loadgroup): a module's tests stay on one
-# worker (they share its servers and engines), and the Ray modules share one worker (one local
-# Ray cluster at a time).
-RAY_MODULES = {"test_ray_executor.py", "test_ray_fleet.py"}
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = item.path.name
-        group = "ray" if name in RAY_MODULES else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
