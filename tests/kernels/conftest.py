@@ -6,6 +6,7 @@
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,12 @@ def interpreter_only() -> None:
     engine with these kernels."""
     if os.environ["TRITON_INTERPRET"] != "1":
         pytest.skip("the Triton kernels on CPU tensors: interpreter only")
+
+
+@pytest.fixture
+def reference_ops() -> Iterator[None]:
+    """The torch reference op table for one test, whatever an earlier test's engine installed."""
+    from paged.model import ops
+
+    with ops.using({}):
+        yield

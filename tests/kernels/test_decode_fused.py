@@ -301,9 +301,7 @@ def test_backend_rotates_inside_decode_steps(device, monkeypatch):
     real = kernels.rotary_embedding
     monkeypatch.setattr(kernels, "rotary_embedding", lambda *a, **kw: calls.append(1)
                         or real(*a, **kw))  # fmt: skip
-    saved = dict(ops._active)
-    ops.use(table_ops)
-    try:
+    with ops.using(table_ops):
         outs, caches = [], []
         for fused in (True, False):
             backend = TritonAttentionBackend(heads, kv_heads, head_dim, 0.3, block_size,
@@ -326,8 +324,5 @@ def test_backend_rotates_inside_decode_steps(device, monkeypatch):
                 outs.append(super(TritonAttentionBackend, backend).forward_rotary(
                     rope[0], q, k, v, kv, meta, rope))  # fmt: skip
             caches.append(kv)
-    finally:
-        ops._active.clear()
-        ops._active.update(saved)
     assert calls == [1]  # the default path's only
     assert torch.equal(outs[0], outs[1]) and torch.equal(caches[0], caches[1])

@@ -114,7 +114,7 @@ def test_an_empty_slice_reads_no_scale_past_the_row(device):
     _close(got.cpu(), want, 2e-3)
 
 
-def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch):
+def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch, reference_ops):
     """Int4TunedGemm on an AWQ-style QuantLinear (groups of 128) and GGUF ones (4-bit with
     mins, 8-bit; groups of 32): inputs of up to TUNED_MAX_ROWS rows, of any leading shape, go
     through int4_linear with the config, more rows through the layer's own forward (its
@@ -122,13 +122,10 @@ def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch):
     groups of 128 and dequantizes GGUF's narrower groups."""
     from paged.kernels import int4_gemm
     from paged.kernels.int4_gemm_split import code_bits
-    from paged.model import ops
     from paged.quantization.base import QuantLinear
     from paged.quantization.gguf import GgufIntMethod
     from paged.quantization.int4 import Int4Method
 
-    # the torch reference ops, whatever an engine of an earlier test installed
-    monkeypatch.setattr(ops, "_active", dict(ops._DEFAULTS))
     configs = []
     real = int4_gemm.int4_gemm_split
     monkeypatch.setattr(int4_gemm, "int4_gemm_split",

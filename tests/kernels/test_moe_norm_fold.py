@@ -179,8 +179,7 @@ def test_the_kernels_fold_the_norm_at_decode(device, dtype, spies):
 
 
 @pytest.mark.parametrize("gemv, tokens", [(True, 1), (False, 1), (True, 2)])
-def test_the_op_table_runs_the_norm_kernel_then_the_layer(device, gemv, tokens, spies,
-                                                          monkeypatch):  # fmt: skip
+def test_the_op_table_runs_the_norm_kernel_then_the_layer(device, gemv, tokens, spies):
     """The GPU op table leaves add_rms_norm_moe and fused_moe_from_logits to their defaults
     (the folded and inline-routed decode paths measured slower on an H200): the norm kernel,
     the router unfolded, the routing kernel, then fused_moe's GEMVs without routing; to the
@@ -191,10 +190,9 @@ def test_the_op_table_runs_the_norm_kernel_then_the_layer(device, gemv, tokens, 
 
     table = triton_fused_ops()
     assert "add_rms_norm_moe" not in table and "fused_moe_from_logits" not in table
-    monkeypatch.setattr(ops, "_active", {**ops._DEFAULTS, **table})
     moe = moe_layer(torch.float32, device, gemv=gemv)
     x, residual, gain = inputs(tokens, torch.float32, device, seed=4)
-    with torch.no_grad():
+    with ops.using(table), torch.no_grad():
         got = ops.get("add_rms_norm_moe")(x.clone(), residual.clone(), gain, EPS, moe)
         assert spies["router"] == ([False] if gemv and tokens == 1 else [])  # the GEMV: unfolded
         assert spies["add_norm"] == [tokens] and spies["route"] == [tokens]

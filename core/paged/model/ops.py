@@ -6,7 +6,8 @@ token-identical to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -277,6 +278,18 @@ def use(overrides: dict[str, Callable]) -> None:
     _active.clear()
     _active.update(_DEFAULTS)
     _active.update(overrides)
+
+
+@contextlib.contextmanager
+def using(overrides: dict[str, Callable]) -> Iterator[None]:
+    """`use` for the length of a with block, then the table as it was (tests, benchmarks)."""
+    saved = dict(_active)
+    use(overrides)
+    try:
+        yield
+    finally:
+        _active.clear()
+        _active.update(saved)
 
 
 def get(name: str) -> Callable:
