@@ -6,10 +6,20 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under xdist (make test: two workers) every worker and every server it starts would take a
+# thread per core: oversubscribed cores and spinning OpenMP threads ran the suite about twice
+# as slow. Each worker, with what it starts, gets an even share of the cores instead.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cores or 1) // _WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from tiny_hf import make_tiny  # noqa: E402
+
+if _WORKERS > 1:  # torch may have started before the variable was set
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
