@@ -268,28 +268,43 @@ _DEFAULTS: dict[str, Callable] = {
     "lora_expand": lora_expand,
 }
 _active: dict[str, Callable] = dict(_DEFAULTS)
+_installed: list[dict[str, Callable] | None] = [None]  # the table whose entries _active holds
 
 
-def use(overrides: dict[str, Callable]) -> None:
-    """Install a platform's fused ops (unknown names are an error, to catch typos)."""
+def table(overrides: dict[str, Callable]) -> dict[str, Callable]:
+    """The defaults with a platform's fused ops (unknown names are an error, to catch typos)."""
     unknown = set(overrides) - set(_DEFAULTS)
     if unknown:
         raise KeyError(f"unknown ops: {sorted(unknown)}")
-    _active.clear()
-    _active.update(_DEFAULTS)
-    _active.update(overrides)
+    return {**_DEFAULTS, **overrides}
+
+
+def install(ops: dict[str, Callable]) -> None:
+    """Make a table (from `table`) the active one; nothing to do when it already is. A model
+    runner installs its own before each step, so engines of two platforms in one process (an
+    offline LLM beside another) each run their own kernels."""
+    if _installed[0] is not ops:
+        _active.clear()
+        _active.update(ops)
+        _installed[0] = ops
+
+
+def use(overrides: dict[str, Callable]) -> None:
+    """Install a platform's fused ops."""
+    install(table(overrides))
 
 
 @contextlib.contextmanager
 def using(overrides: dict[str, Callable]) -> Iterator[None]:
     """`use` for the length of a with block, then the table as it was (tests, benchmarks)."""
-    saved = dict(_active)
+    saved, owner = dict(_active), _installed[0]
     use(overrides)
     try:
         yield
     finally:
         _active.clear()
         _active.update(saved)
+        _installed[0] = owner
 
 
 def get(name: str) -> Callable:

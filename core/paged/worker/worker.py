@@ -24,6 +24,7 @@ from paged.distributed import (
     init_distributed,
     init_distributed_watched,
 )
+from paged.model import ops
 from paged.model.registry import check_supported
 from paged.plugins import select_platform
 from paged.worker.input_buffers import HEADER
@@ -149,6 +150,7 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+        ops.install(self.runner.ops)  # the graphs capture this runner's kernels
         self.runner.step_runner.capture()
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
