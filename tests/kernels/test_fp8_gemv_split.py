@@ -9,11 +9,12 @@ import torch
 from paged.quantization import reference as ref
 
 
-def _reference(x, q, s, bias):
-    """quantize_fp8_rows, then the product of the dequantized operands in float32."""
+def _reference(x, q, s, bias, device):
+    """quantize_fp8_rows (the kernel, on the device), then the product of the dequantized
+    operands in float32 on the host."""
     from paged.kernels.fp8_gemm import quantize_fp8_rows
 
-    xq, xs = quantize_fp8_rows(x)
+    xq, xs = (t.cpu() for t in quantize_fp8_rows(x.to(device)))
     y = (xq.float() @ q.float().t()) * xs.float() * s.float().t()
     return y + bias.float() if bias is not None else y
 
@@ -39,7 +40,7 @@ def test_split_fp8_gemv_matches_reference_and_unsplit(device, config, m, n, k, b
     args = (x.to(device), q.to(device), s.to(device), b.to(device) if bias else None)
     got = fp8_gemv_split(*args, config, counters)
     assert int(counters.abs().sum()) == 0
-    _close(got.cpu(), _reference(x, q, s, b), 1e-5)
+    _close(got.cpu(), _reference(x, q, s, b, device), 1e-5)
     unsplit = fp8_gemv_dot(*args, config=(*config[:2], *config[3:]))
     _close(got.cpu(), unsplit.cpu(), 1e-5)
     if config[2] == 1:  # the same tiles in the same order: the unsplit kernel's sums
@@ -122,7 +123,7 @@ def test_the_norm_before_it_folded_in(device, dtype, config, m, n, k):
     assert torch.equal(new_res, want_res)  # the norm kernel's add, rounded as it rounds
     want = fp8_gemv_split(normed, dq, ds, None, config, counters)
     _close(out.cpu(), want.cpu(), 2e-2 if dtype == torch.bfloat16 else 1e-3)
-    _close(out.cpu(), _reference(normed.cpu().float(), q, s, None), 2e-2)
+    _close(out.cpu(), _reference(normed.cpu().float(), q, s, None, device), 2e-2)
     assert int(counters.abs().sum()) == 0
 
 
