@@ -28,6 +28,18 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {k: make_tiny(k, str(root / k)) for k in ("llama", "qwen2", "mistral")}
 
 
+@pytest.fixture
+def engines_on(monkeypatch):
+    """`engines_on(platform)`: the engines the test builds from then on run on `platform` (the
+    engine and its worker each look theirs up through `select_platform`)."""
+
+    def use(platform) -> None:
+        for where in ("paged.engine.core", "paged.worker.worker"):
+            monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
+
+    return use
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
     from paged.model.loader import default_model_path

@@ -168,7 +168,7 @@ def test_tensor_parallel_shards_per_head_scales(scaled):
         llm.engine.shutdown()
 
 
-def test_platform_without_fp8_refused(llama, monkeypatch):
+def test_platform_without_fp8_refused(llama, engines_on):
     from paged_cpu.attention import CpuAttentionBackend
     from paged_cpu.platform import CpuPlatform
 
@@ -182,8 +182,7 @@ def test_platform_without_fp8_refused(llama, monkeypatch):
         def attention_backend(self):
             return Plain
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: NoFp8())
+    engines_on(NoFp8())
     why = "--kv-cache-dtype fp8 is not supported on platform no-fp8: attention backend .* cannot"
     with pytest.raises(ValueError, match=why + " store the KV cache as float8_e4m3fn"):
         LLM(llama, dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=64)

@@ -25,13 +25,12 @@ class CountingCpu(CpuPlatform):
         return {name: counted(name, fn) for name, fn in table.items()}
 
 
-def test_two_engines_in_one_process_each_run_their_own_ops(tiny_models, monkeypatch):
+def test_two_engines_in_one_process_each_run_their_own_ops(tiny_models, engines_on):
     path, prompt = tiny_models["llama"], list(range(5, 40))
     plain = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     want = plain.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     counting_platform = CountingCpu()
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: counting_platform)
+    engines_on(counting_platform)
     counting = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     assert counting.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == want
     assert CountingCpu.calls  # the second engine ran its table

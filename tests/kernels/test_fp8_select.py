@@ -100,7 +100,7 @@ def test_only_per_channel_fp8_linears_on_the_gpu_are_timed(monkeypatch):
     assert got == {(32, 64): [model.a, model.b], (48, 64): [model.c]}
 
 
-def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_only):
+def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, interpreter_only):
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
     shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add
     and RMSNorm but the first layer's folded into the QKV and gate/up GEMVs and SiLU-and-mul
@@ -131,8 +131,7 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, interpreter_onl
                 if isinstance(mod, QuantLinear) and split[0]:
                     mod.forward = fp8_gemv.Fp8SplitGemv(mod, (16, 32, 3, 4, 1), counters)
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: Fp8OnCpu())
+    engines_on(Fp8OnCpu())
     rows = []
     real = fp8_gemv.fp8_gemv_split
     monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a: rows.append(
@@ -179,9 +178,9 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     monkeypatch.setattr(fp8_select, "fp8_gemv_split", lambda x, w, s, b, config, counters,
                         norm, silu: split.append((w, config, norm is not None, silu)))
     norms = []
-    real_norm = ops.get("fused_add_rms_norm")
-    monkeypatch.setitem(ops._active, "fused_add_rms_norm",
-                        lambda *a: norms.append(1) or real_norm(*a))  # fmt: skip
+    real_norm = llm.engine.runner.op_table["fused_add_rms_norm"]
+    counting = {**llm.engine.runner.op_table,
+                "fused_add_rms_norm": lambda *a: norms.append(1) or real_norm(*a)}  # fmt: skip
 
     def run_once(calls):
         for call in calls:
@@ -199,7 +198,8 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
         return 0.5 if config == firsts[tuple(w.shape)] else 0.9
 
     monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
-    fp8_select.use_measured_fp8_gemv(model)
+    with ops.using(counting):
+        fp8_select.use_measured_fp8_gemv(model)
     for shape, config in firsts.items():
         block_n, block_k, warps, stages = dot_config(*shape, torch.device("cpu"))
         assert config == (block_n, block_k, 1, warps, stages)

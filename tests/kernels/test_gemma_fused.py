@@ -96,7 +96,7 @@ def test_gelu_and_mul_extremes(device):
         torch.testing.assert_close(out, ops.gelu_and_mul(x, approximate), rtol=1e-5, atol=1e-5)
 
 
-def test_gemma3_engine_on_triton(tmp_path, monkeypatch, interpreter_only):
+def test_gemma3_engine_on_triton(tmp_path, monkeypatch, engines_on, interpreter_only):
     """A tiny Gemma 3 (q/k norms, sliding and global layers) on the engine with the Triton ops
     (interpreted): every norm and the MLP go through these kernels; greedy tokens equal HF's."""
     from test_hf_parity import hf_greedy
@@ -120,8 +120,7 @@ def test_gemma3_engine_on_triton(tmp_path, monkeypatch, interpreter_only):
 
     for name in ("gemma_rms_norm", "gemma_add_rms_norm", "gelu_and_mul"):
         monkeypatch.setattr(kernels, name, counted(name))
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    engines_on(TritonOnCpu())
     path = make_model("gemma3", str(tmp_path / "gemma3"))  # window 8
     prompts = [list(range(5, 25)), [7, 8, 9]]
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=32,

@@ -62,7 +62,7 @@ def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
     assert calls == [1]  # the one-row call only
 
 
-def every_linear_on_the_gemv(monkeypatch) -> None:
+def every_linear_on_the_gemv(engines_on) -> None:
     """The engine on the Triton interpreter with every nn.Linear on the one-row GEMV (as if
     start-up timing chose it everywhere)."""
     from test_long_prompt import TritonOnCpu
@@ -74,11 +74,10 @@ def every_linear_on_the_gemv(monkeypatch) -> None:
                 if type(mod) is nn.Linear:
                     mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters)
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: AllGemv())
+    engines_on(AllGemv())
 
 
-def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter_only):
+def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, engines_on, interpreter_only):
     """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
     steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
     and SiLU-and-mul inside the down projection's, and greedy output equals HF's; prefill rows
@@ -89,7 +88,7 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, interpreter
     from paged import LLM, SamplingParams
     from paged.kernels import gemv
 
-    every_linear_on_the_gemv(monkeypatch)
+    every_linear_on_the_gemv(engines_on)
     fused, gated = [], []
     real = gemv.gemv_split_k
     monkeypatch.setattr(gemv, "gemv_split_k", lambda *a: fused.append(a[5] is not None)
@@ -122,7 +121,7 @@ def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
     assert gemv_select.gated_linears(model) == downs
 
 
-def test_the_moe_norm_runs_before_the_router_and_expert_gemvs(tmp_path, monkeypatch,
+def test_the_moe_norm_runs_before_the_router_and_expert_gemvs(tmp_path, monkeypatch, engines_on,
                                                              interpreter_only):  # fmt: skip
     """Qwen3-MoE (layer 0 dense, layer 1 experts) with every linear on the one-row GEMV: at
     decode the dense layer's and the QKV's norms fold into their GEMVs, while the sparse layer's
@@ -136,7 +135,7 @@ def test_the_moe_norm_runs_before_the_router_and_expert_gemvs(tmp_path, monkeypa
     from paged import LLM, SamplingParams, kernels
     from paged.kernels import gemv, moe
 
-    every_linear_on_the_gemv(monkeypatch)
+    every_linear_on_the_gemv(engines_on)
     router, experts, norms = [], [], []  # per call: the norm folded in / a norm kernel's rows
     split_k, gate_up, norm_kernel = gemv.gemv_split_k, moe._gate_up, kernels.fused_add_rms_norm
     monkeypatch.setattr(gemv, "gemv_split_k",

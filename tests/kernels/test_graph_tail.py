@@ -14,11 +14,10 @@ from paged import LLM, SamplingParams
 from paged.worker import model_runner
 
 
-def test_decode_tail_in_graph(tiny_models, monkeypatch, interpreter_only):
+def test_decode_tail_in_graph(tiny_models, monkeypatch, engines_on, interpreter_only):
     from transformers import AutoModelForCausalLM
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonGraphsOnCpu())
+    engines_on(TritonGraphsOnCpu())
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (5, 11, 40)]
     kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=64,
@@ -56,12 +55,13 @@ def test_decode_tail_in_graph(tiny_models, monkeypatch, interpreter_only):
         assert all(abs(d[t].logprob - w[t].logprob) < 1e-5 for t in d)
 
 
-def test_sampled_decodes_draw_in_sampler_graphs(tiny_models, monkeypatch, interpreter_only):
+def test_sampled_decodes_draw_in_sampler_graphs(
+    tiny_models, monkeypatch, engines_on, interpreter_only
+):
     """Requests that sample with temperature, top-k/top-p and min-p alone take their decode
     tokens from the sampler graphs (the eager sampler runs for prefills only) and, from the
     same --seed, equal an eager engine's tokens; a seeded request samples eagerly."""
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonGraphsOnCpu())
+    engines_on(TritonGraphsOnCpu())
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (7, 12, 3, 20)]
     kw = dict(dtype="float32", max_model_len=128, max_num_batched_tokens=64, num_kv_blocks=64,

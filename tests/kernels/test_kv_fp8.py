@@ -172,7 +172,7 @@ def test_scales_only_for_fp8(device):
                           device=device), torch.ones(1, device=device))  # fmt: skip
 
 
-def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch, interpreter_only):
+def test_engine_long_prompt_fp8_matches_hf(tiny_models, engines_on, interpreter_only):
     """The engine on the Triton backend (interpreted) with an fp8 cache: a prompt of many
     prefill chunks, then decode; greedy tokens equal HF's with its K/V rounded through fp8."""
     from kv_fp8_hf import hf_greedy_fp8
@@ -181,8 +181,7 @@ def test_engine_long_prompt_fp8_matches_hf(tiny_models, monkeypatch, interpreter
     from paged import LLM, SamplingParams
 
     path = tiny_models["llama"]
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    engines_on(TritonOnCpu())
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in (130, 20)]
     llm = LLM(path, dtype="float32", max_model_len=512, max_num_batched_tokens=48,

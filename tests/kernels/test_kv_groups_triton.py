@@ -22,7 +22,7 @@ def attention_on_triton():
     return AttentionOnTriton
 
 
-def test_groups_on_triton(tmp_path, monkeypatch, interpreter_only):
+def test_groups_on_triton(tmp_path, engines_on, interpreter_only):
     from test_hf_parity import hf_greedy
     from test_kv_groups import PROMPTS, build
     from transformers import AutoModelForCausalLM
@@ -31,8 +31,7 @@ def test_groups_on_triton(tmp_path, monkeypatch, interpreter_only):
 
     platform = attention_on_triton()
     path = build("gemma2", str(tmp_path / "gemma2"))  # window 10: two groups of two layers
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform())
+    engines_on(platform())
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=64,
               max_model_len=128)  # fmt: skip
     try:
@@ -72,7 +71,7 @@ class ReplayGraph:
                 old.copy_(new)
 
 
-def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_only):
+def test_group_tables_through_graph_replay(tmp_path, engines_on, interpreter_only):
     """Decode, prompt-chunk and speculative verification steps (ngram proposals) replay
     captured "graphs": each group's block tables and slots reach its static buffers (padded
     rows write nowhere); greedy tokens equal HF's. (The null block is not poisoned here: a
@@ -118,8 +117,7 @@ def test_group_tables_through_graph_replay(tmp_path, monkeypatch, interpreter_on
             return ReplayRunner
 
     path = build("gemma2", str(tmp_path / "gemma2"))
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: GraphsOnCpu())
+    engines_on(GraphsOnCpu())
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=64,
               max_model_len=128, max_num_seqs=3,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip

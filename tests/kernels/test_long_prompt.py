@@ -28,12 +28,11 @@ class TritonOnCpu(CpuPlatform):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_prompt_of_many_chunks_matches_hf(tiny_models, monkeypatch, overlap, interpreter_only):
+def test_prompt_of_many_chunks_matches_hf(tiny_models, engines_on, overlap, interpreter_only):
     from transformers import AutoModelForCausalLM
 
     path = tiny_models["llama"]
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    engines_on(TritonOnCpu())
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 320, (n,), generator=gen).tolist() for n in (203, 77)]
     llm = LLM(path, dtype="float32", max_model_len=512, max_num_batched_tokens=48,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def test_triton_ops_match_hf(tmp_path, monkeypatch, interpreter_only):
+def test_triton_ops_match_hf(tmp_path, monkeypatch, engines_on, interpreter_only):
     from test_hf_parity import hf_greedy
     from test_long_prompt import TritonOnCpu
     from test_models_qwen3_moe import make_model
@@ -21,8 +21,7 @@ def test_triton_ops_match_hf(tmp_path, monkeypatch, interpreter_only):
     from paged.kernels import moe, moe_routing
 
     path = make_model("qwen3_moe_unnorm", str(tmp_path / "qwen3_moe"))
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    engines_on(TritonOnCpu())
     prompts = [list(range(5, 25)), [7, 8, 9]]  # decode steps of 2 tokens: per-pair GEMVs
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=32,
               max_model_len=64)  # fmt: skip

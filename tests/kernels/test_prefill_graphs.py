@@ -13,11 +13,10 @@ from test_spec_graphs import ReplayRunner, TritonGraphsOnCpu
 from paged import LLM, SamplingParams
 
 
-def test_prefill_graphs_equal_eager_steps(tiny_models, monkeypatch, interpreter_only):
+def test_prefill_graphs_equal_eager_steps(tiny_models, engines_on, interpreter_only):
     from transformers import AutoModelForCausalLM
 
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonGraphsOnCpu())
+    engines_on(TritonGraphsOnCpu())
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (70, 5, 23, 11)]
     params = [

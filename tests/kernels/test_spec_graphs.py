@@ -59,9 +59,8 @@ class TritonGraphsOnCpu(TritonOnCpu):
         return ReplayRunner
 
 
-def test_verification_graphs_equal_plain_decoding(tiny_models, monkeypatch, interpreter_only):
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonGraphsOnCpu())
+def test_verification_graphs_equal_plain_decoding(tiny_models, engines_on, interpreter_only):
+    engines_on(TritonGraphsOnCpu())
     g = torch.Generator().manual_seed(3)
     base = torch.randint(2, 320, (6,), generator=g).tolist()
     prompts = [base * 4, torch.randint(2, 320, (40,), generator=g).tolist(), base[:4] * 3]

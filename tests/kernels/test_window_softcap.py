@@ -127,7 +127,7 @@ def test_released_blocks_are_never_read(window, block_n, device):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
-def test_engine_releases_window_blocks_on_triton(tmp_path, monkeypatch, interpreter_only):
+def test_engine_releases_window_blocks_on_triton(tmp_path, engines_on, interpreter_only):
     """The engine on the Triton backend (interpreted), every layer windowed: blocks out of the
     window are released (null block, here NaN, in the table) while chunked prefill and decode
     run; greedy tokens equal HF's."""
@@ -139,8 +139,7 @@ def test_engine_releases_window_blocks_on_triton(tmp_path, monkeypatch, interpre
     from paged import LLM, SamplingParams
 
     path = make_model("mistral", str(tmp_path / "mistral"))  # window 8
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: TritonOnCpu())
+    engines_on(TritonOnCpu())
     prompts = [list(range(5, 45)), list(range(100, 130))]
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=32,
               max_model_len=128)  # fmt: skip

@@ -41,7 +41,7 @@ def gguf_file(request, tiny_models, tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("triton", [False, True])
-def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, triton):
+def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, engines_on, triton):
     import os
 
     if triton and os.environ.get("TRITON_INTERPRET") != "1":
@@ -53,8 +53,7 @@ def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, trit
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     dense = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     platform = _platform(triton)
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
+    engines_on(platform)
     llm = LLM(path, **kw)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert platform.replaced == len(layers) == 8  # qkv, o, gate_up, down x 2

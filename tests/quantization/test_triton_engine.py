@@ -24,15 +24,9 @@ class TritonLinearsOnCpu(CpuPlatform):
         return {k: table[k] for k in ("fp8_linear", "int4_linear")}
 
 
-def use_platform(monkeypatch, platform: CpuPlatform) -> None:
-    """Engines built from here on run on `platform`."""
-    for where in ("paged.engine.core", "paged.worker.worker"):
-        monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
-
-
 @pytest.fixture
-def triton_linears(monkeypatch):
-    use_platform(monkeypatch, TritonLinearsOnCpu())
+def triton_linears(engines_on):
+    engines_on(TritonLinearsOnCpu())
 
 
 def test_fp8_triton_gemm_in_the_engine(tiny_models, triton_linears):
@@ -50,7 +44,7 @@ def test_int4_triton_linears_in_the_engine(int4_models, triton_linears):
     assert got == hf_greedy(hf.eval(), prompt, 4)
 
 
-def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
+def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch, engines_on):
     """Every int4 linear on a tuned split-GEMM config (as if start-up timing chose one for every
     shape, paged_cuda.int4_select): the decode steps run it, the prefill (13 rows) the split
     GEMM's default config, and greedy output equals HF's on the dequantized model."""
@@ -68,7 +62,7 @@ def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch):
                 if isinstance(mod, QuantLinear):
                     mod.forward = int4_gemm.Int4TunedGemm(mod, config)
 
-    use_platform(monkeypatch, TunedInt4OnCpu())
+    engines_on(TunedInt4OnCpu())
     rows = []
     real = int4_gemm.int4_gemm_split
     monkeypatch.setattr(int4_gemm, "int4_gemm_split", lambda x, *a: rows.append((len(x), a[-1]))
