@@ -65,8 +65,8 @@ class ModelRunner:
         self.hf_config = hf_config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
-        self.ops = ops.table(platform.ops())  # installed before each step (ops.install)
-        ops.install(self.ops)
+        self.op_table = ops.table(platform.ops())  # installed before each step (ops.install)
+        ops.install(self.op_table)
         head_dim = head_dim_of(hf_config)
         p = parallel()  # this rank's heads (all of them with one rank)
         heads = head_shard(hf_config.num_attention_heads, hf_config.num_key_value_heads,
@@ -233,7 +233,7 @@ class ModelRunner:
     def profile_run(self) -> None:
         """A forward over `max_num_batched_tokens` tokens and logits for `max_num_seqs` rows,
         on a throwaway KV cache, so the platform sees the activation peak."""
-        ops.install(self.ops)
+        ops.install(self.op_table)
         cfg, bs = self.config, self.block_size
         budget = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.max_model_len - 1))
         batch, next_block = ScheduledBatch(), 0
@@ -274,7 +274,7 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Queue one step on the device: forward, logits, sampling, and the vectors of the
         embedding requests that complete their prompt (StepHandle.embeddings)."""
-        ops.install(self.ops)
+        ops.install(self.op_table)
         self.pooler.forget(batch.finished_ids)
         self.pooled = None
         handle = self._launch(batch, prev)
@@ -445,7 +445,7 @@ class ModelRunner:
         host buffers (its part of the forward, and of the logits' gather), down the driver's
         path: the decode graph with the tail where the driver replays it (`every_row`: the
         driver wants every row's hidden state, so forward, then the head)."""
-        ops.install(self.ops)
+        ops.install(self.op_table)
         input_ids, positions, meta, logits_idx, _ = self.inputs.load(header)
         if self.lora is not None:  # the driver's adapters for this step, in the same slots
             loras, forgotten = broadcast_object_host()

@@ -150,7 +150,7 @@ class Worker:
 
     def init_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
-        ops.install(self.runner.ops)  # the graphs capture this runner's kernels
+        ops.install(self.runner.op_table)  # the graphs capture this runner's kernels
         self.runner.step_runner.capture()
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
