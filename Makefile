@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
+# A large wheel (triton) cut off mid-download resumes instead of failing the install.
+export PIP_RESUME_RETRIES := 20
 
 .PHONY: install test test-slow test-xla serve lint docs bench-cpu clean
 
