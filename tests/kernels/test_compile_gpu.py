@@ -1,7 +1,10 @@
 """Every portable Triton kernel compiles for an NVIDIA Hopper GPU, checked without one: the
 interpreter that runs the other kernel tests on CPU accepts code the GPU compiler refuses
 (an fp8 KV cache once failed at start-up on the H200 that way). compile_for_gpu.py runs the
-kernels' wrappers on meta tensors and compiles each launch for sm_90."""
+kernels' wrappers on meta tensors and compiles each launch for sm_90.
+
+Marked slow (make test-slow; CI runs it): about 130 variants, three minutes of one core with a
+cold Triton cache, most of it LLVM and ptxas."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
     backends = subprocess.run(
         [sys.executable, "-c", "from triton.backends import backends; print(*backends)"],
