@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+if os.environ["TRITON_INTERPRET"] == "1":
+    from interpreter_speed import memoize_builtin_listing
+
+    memoize_builtin_listing()
 
 _CORE = Path(__file__).resolve().parents[2] / "core"
 if str(_CORE) not in sys.path:

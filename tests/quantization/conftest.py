@@ -5,6 +5,10 @@ import os
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
+if os.environ["TRITON_INTERPRET"] == "1":
+    from interpreter_speed import memoize_builtin_listing
+
+    memoize_builtin_listing()
 
 
 @pytest.fixture(scope="session")
