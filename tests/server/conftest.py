@@ -86,7 +86,9 @@ def stop_server(srv: Server) -> int:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Server:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(ENGINE_ARGS, log, {"PAGED_API_KEY": API_KEY})
+    # At most two stored responses: test_responses checks the bound on this server.
+    args = [*ENGINE_ARGS, "--max-stored-responses", "2"]
+    srv = start_server(args, log, {"PAGED_API_KEY": API_KEY})
     yield srv
     stop_server(srv)
 

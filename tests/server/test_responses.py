@@ -1,6 +1,6 @@
-"""The OpenAI Responses API (/v1/responses) through the `openai` SDK and raw HTTP, on one server
-of the default model that keeps at most two responses (--max-stored-responses 2). Greedy
-outputs equal chat completions' for the same conversation."""
+"""The OpenAI Responses API (/v1/responses) through the `openai` SDK and raw HTTP, on the
+session's server of the default model (conftest.py), which keeps at most two responses
+(--max-stored-responses 2). Greedy outputs equal chat completions' for the same conversation."""
 
 from __future__ import annotations
 
@@ -12,25 +12,17 @@ import openai
 import pytest
 from tool_model import WEATHER_TOOL, server_helpers
 
-KEY = "responses-key"
 MODEL = "SmolLM2-135M-Instruct"
 STATUS = {"length": "incomplete", "stop": "completed"}  # chat's finish_reason -> status
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    d = tmp_path_factory.mktemp("responses")
-    h = server_helpers()
-    args = [*h.ENGINE_ARGS, "--api-key", KEY, "--max-stored-responses", "2"]
-    s = h.start_server(args, d / "server.log")
-    yield s
-    h.stop_server(s)
+KEY = server_helpers().API_KEY
 
 
 @pytest.fixture(scope="module")
-def oai(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+def oai(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def respond(oai, **kw):
@@ -68,10 +60,10 @@ def test_text_with_instructions_equals_chat(oai):
     assert listed.output_text == r.output_text
 
 
-def test_stream_events(oai, srv):
+def test_stream_events(oai, server):
     body = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 6, "temperature": 0}
     full = respond(oai, input="Name a color.")
-    with httpx.stream("POST", srv.url + "/v1/responses", json=body | {"stream": True},
+    with httpx.stream("POST", server.url + "/v1/responses", json=body | {"stream": True},
                       headers={"authorization": f"Bearer {KEY}"}, timeout=120) as r:  # fmt: skip
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln]
