@@ -6,31 +6,23 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from tool_model import WEATHER_TOOL, server_helpers
+from tool_model import WEATHER_TOOL
 
 MODEL = "SmolLM2-135M-Instruct"
 STATUS = {"length": "incomplete", "stop": "completed"}  # chat's finish_reason -> status
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 
 
-KEY = server_helpers().API_KEY
+def respond(client, **kw):
+    defaults = {"model": MODEL, "temperature": 0, "max_output_tokens": 6}
+    return client.responses.create(**defaults | kw)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def respond(oai, **kw):
-    return oai.responses.create(**{"model": MODEL, "temperature": 0, "max_output_tokens": 6} | kw)
-
-
-def chat(oai, messages, **kw):
-    return oai.chat.completions.create(
+def chat(client, messages, **kw):
+    return client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=6, **kw
     )
 
@@ -43,28 +35,27 @@ def same(r, c) -> None:
     assert r.usage.output_tokens == c.usage.completion_tokens
 
 
-def test_text_with_instructions_equals_chat(oai):
-    r = respond(oai, input="Name a color.", instructions="Answer in one word.")
+def test_text_with_instructions_equals_chat(client):
+    r = respond(client, input="Name a color.", instructions="Answer in one word.")
     assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
     assert r.instructions == "Answer in one word." and r.max_output_tokens == 6
     assert [(o.type, o.role) for o in r.output] == [("message", "assistant")]
-    c = chat(oai, [{"role": "system", "content": "Answer in one word."},
+    c = chat(client, [{"role": "system", "content": "Answer in one word."},
                    {"role": "user", "content": "Name a color."}])  # fmt: skip
     same(r, c)
     if r.status == "incomplete":
         assert r.incomplete_details.reason == "max_output_tokens"
     # a message list is the same conversation
-    listed = respond(oai, input=[{"role": "user", "content": [
+    listed = respond(client, input=[{"role": "user", "content": [
         {"type": "input_text", "text": "Name a "}, {"type": "input_text", "text": "color."}]}],
         instructions="Answer in one word.")  # fmt: skip
     assert listed.output_text == r.output_text
 
 
-def test_stream_events(oai, server):
+def test_stream_events(client, http):
     body = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 6, "temperature": 0}
-    full = respond(oai, input="Name a color.")
-    with httpx.stream("POST", server.url + "/v1/responses", json=body | {"stream": True},
-                      headers={"authorization": f"Bearer {KEY}"}, timeout=120) as r:  # fmt: skip
+    full = respond(client, input="Name a color.")
+    with http.stream("POST", "/v1/responses", json=body | {"stream": True}) as r:
         assert r.status_code == 200
         lines = [ln for ln in r.iter_lines() if ln]
     names = [ln.removeprefix("event: ") for ln in lines[0::2]]
@@ -84,44 +75,44 @@ def test_stream_events(oai, server):
     assert last["output"][0]["content"][0]["text"] == text
     assert last["usage"]["output_tokens"] == full.usage.output_tokens
     assert datas[0]["response"]["status"] == "in_progress"
-    with oai.responses.stream(model=MODEL, input="Name a color.", max_output_tokens=6,
+    with client.responses.stream(model=MODEL, input="Name a color.", max_output_tokens=6,
                               temperature=0) as s:  # fmt: skip
         events = list(s)  # (get_final_response() wants response.completed, not .incomplete)
     assert [e.type for e in events] == names and events[-1].response.output_text == text
 
 
-def test_previous_response_id_continues_the_conversation(oai):
-    first = respond(oai, input="Name a color.", instructions="Be brief.")
-    second = respond(oai, input="Name another one.", previous_response_id=first.id)
+def test_previous_response_id_continues_the_conversation(client):
+    first = respond(client, input="Name a color.", instructions="Be brief.")
+    second = respond(client, input="Name another one.", previous_response_id=first.id)
     assert second.previous_response_id == first.id
     # the first's input and output, not its instructions (as OpenAI)
     conv = [{"role": "user", "content": "Name a color."},
             {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": "Name another one."}]  # fmt: skip
-    same(second, chat(oai, conv))
-    third = respond(oai, input="And a third?", previous_response_id=second.id,
+    same(second, chat(client, conv))
+    third = respond(client, input="And a third?", previous_response_id=second.id,
                     instructions="Answer in one word.")  # fmt: skip
     conv += [{"role": "assistant", "content": second.output_text},
              {"role": "user", "content": "And a third?"}]  # fmt: skip
-    same(third, chat(oai, [{"role": "system", "content": "Answer in one word."}, *conv]))
-    assert oai.responses.retrieve(third.id).output_text == third.output_text
+    same(third, chat(client, [{"role": "system", "content": "Answer in one word."}, *conv]))
+    assert client.responses.retrieve(third.id).output_text == third.output_text
 
 
-def test_store_is_bounded_and_errors(oai):
-    a, b, c = (respond(oai, input=f"Count to {i}.", max_output_tokens=1) for i in (1, 2, 3))
+def test_store_is_bounded_and_errors(client):
+    a, b, c = (respond(client, input=f"Count to {i}.", max_output_tokens=1) for i in (1, 2, 3))
     with pytest.raises(openai.NotFoundError):  # the least recently used of three, bound 2
-        oai.responses.retrieve(a.id)
-    assert oai.responses.retrieve(b.id).id == b.id and oai.responses.retrieve(c.id).id == c.id
+        client.responses.retrieve(a.id)
+    assert client.responses.retrieve(b.id).id == b.id and client.responses.retrieve(c.id).id == c.id
     with pytest.raises(openai.BadRequestError) as e:
-        respond(oai, input="x", previous_response_id=a.id)
+        respond(client, input="x", previous_response_id=a.id)
     assert e.value.body["param"] == "previous_response_id"
     assert e.value.body["code"] == "previous_response_not_found"
-    unstored = respond(oai, input="x", max_output_tokens=1, store=False)
+    unstored = respond(client, input="x", max_output_tokens=1, store=False)
     with pytest.raises(openai.NotFoundError):
-        oai.responses.retrieve(unstored.id)
-    oai.responses.delete(c.id)
+        client.responses.retrieve(unstored.id)
+    client.responses.delete(c.id)
     with pytest.raises(openai.NotFoundError):
-        oai.responses.retrieve(c.id)
+        client.responses.retrieve(c.id)
     refused = [
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
@@ -134,23 +125,23 @@ def test_store_is_bounded_and_errors(oai):
     for kw, param in refused:
         body = {"input": "x", "max_output_tokens": 1} | kw
         with pytest.raises(openai.BadRequestError) as e:
-            oai.responses.create(model=MODEL, **body)
+            client.responses.create(model=MODEL, **body)
         assert e.value.body["param"].startswith(param), (kw, e.value.body)
 
 
-def test_function_call_round_trip(oai):
+def test_function_call_round_trip(client):
     named = {"type": "function", "name": "get_weather"}
-    r = oai.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
                              tool_choice=named, max_output_tokens=40, temperature=0)  # fmt: skip
     assert [o.type for o in r.output] == ["function_call"]
     call = r.output[0]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
     out = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
-    after = respond(oai, input=[out], previous_response_id=r.id, tools=[WEATHER],
+    after = respond(client, input=[out], previous_response_id=r.id, tools=[WEATHER],
                     tool_choice="none")  # fmt: skip
     conv = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id,
              "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]  # fmt: skip
-    same(after, chat(oai, conv, tools=[WEATHER_TOOL], tool_choice="none"))
+    same(after, chat(client, conv, tools=[WEATHER_TOOL], tool_choice="none"))
