@@ -103,8 +103,10 @@ def test_disconnects_abort_and_free_blocks(http, srv):
 
 
 def test_kv_pressure_preempts_and_every_request_completes(http):
-    prompts = [[100 + i] * 12 for i in range(3)] + [[7] * 16]
-    lens = [36, 36, 36, 112]  # 3 + 3 + 3 + 8 blocks of 8; the last one needs the whole pool
+    # SLOW holds every step of the first request's 36 at 50 ms, so all four overlap however
+    # late their threads start: the first three alone need 9 blocks of the 8
+    prompts = [[SLOW] + [100] * 11] + [[100 + i] * 12 for i in (1, 2)] + [[7] * 16]
+    lens = [36, 36, 36, 112]  # 3 + 3 + 3 + 8 blocks of 16; the last one needs the whole pool
     ref = [http.post("/v1/completions", json=greedy(p, n)).json()["choices"][0]["text"]
            for p, n in zip(prompts, lens)]  # fmt: skip
     pre = metric(http.get("/metrics").text, "paged:num_preemptions_total")
