@@ -1,7 +1,7 @@
 """Run the Triton kernels through the interpreter on machines without a GPU.
 
 `TRITON_INTERPRET=0 pytest tests/kernels` runs the same tests on a CUDA device instead
-(`PAGED_TEST_PDL=1` too: launched with programmatic dependent launch, paged.kernels.pdl).
+(`PAGED_TEST_PDL=1` too: launched with programmatic dependent launch); tests/triton_interpreter.py.
 """
 
 import os
@@ -10,30 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from triton_interpreter import device, interpret_unless_told  # noqa: F401 (device: a fixture)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-if os.environ["TRITON_INTERPRET"] == "1":
-    from interpreter_speed import memoize_builtin_listing
-
-    memoize_builtin_listing()
+interpret_unless_told()  # must precede the first `import triton`
 
 _CORE = Path(__file__).resolve().parents[2] / "core"
 if str(_CORE) not in sys.path:
     sys.path.insert(0, str(_CORE))
-
-
-@pytest.fixture(scope="session")
-def device() -> str:
-    if os.environ["TRITON_INTERPRET"] == "1":
-        return "cpu"
-    import torch
-
-    assert torch.cuda.is_available(), "TRITON_INTERPRET=0 needs a GPU"
-    if os.environ.get("PAGED_TEST_PDL") == "1":  # the kernels as the CUDA platform launches them
-        from paged.kernels import pdl
-
-        pdl.enable(True)
-    return "cuda"
 
 
 @pytest.fixture

@@ -1,24 +1,9 @@
 """Quantized linears: the Triton kernels run in the interpreter on CPU (as tests/kernels)."""
 
-import os
-
 import pytest
+from triton_interpreter import device, interpret_unless_told  # noqa: F401 (device: a fixture)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-if os.environ["TRITON_INTERPRET"] == "1":
-    from interpreter_speed import memoize_builtin_listing
-
-    memoize_builtin_listing()
-
-
-@pytest.fixture(scope="session")
-def device() -> str:
-    if os.environ["TRITON_INTERPRET"] == "1":
-        return "cpu"
-    import torch
-
-    assert torch.cuda.is_available(), "TRITON_INTERPRET=0 needs a GPU"
-    return "cuda"
+interpret_unless_told()  # must precede the first `import triton`
 
 
 @pytest.fixture(scope="session")
