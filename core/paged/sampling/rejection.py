@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged.sampling.sampler import _top_k_top_p
+from paged.sampling.sampler import _top_k_top_p, exponential_race
 
 if TYPE_CHECKING:
     from paged.sampling.sampler import SamplingBatch
@@ -95,7 +95,6 @@ def rejection_verify(
         else draft_probs.gather(2, draft[..., None]).squeeze(2)
     )
     uniform = torch.empty(b, k, device=dev, dtype=probs.dtype).uniform_()
-    noise = torch.empty(b, probs.shape[1], device=dev, dtype=probs.dtype).exponential_()
     valid = torch.arange(k, device=dev)[None, :] < num_draft[:, None]
     ok = (uniform * q_x < p_x) & valid  # u < p / q
     accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(1)  # [B]
@@ -110,7 +109,7 @@ def rejection_verify(
     q = q * rejected[:, None]  # after all proposals were accepted: p itself
     resid = (p - q).clamp_min(0)
     resid = torch.where(resid.sum(1, keepdim=True) > 0, resid, p)  # p == q: never rejected
-    last = (resid / noise).argmax(1)  # exponential race: a draw from norm(resid)
+    last = exponential_race(resid, {})  # a draw from norm(resid)
     tokens = torch.cat([draft, draft[:, :1]], dim=1).clone()
     tokens.scatter_(1, accepted[:, None], last[:, None])
     return tokens, accepted + 1
