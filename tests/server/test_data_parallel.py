@@ -40,7 +40,7 @@ class FakeEngine:
         self.sent: list[str] = []
         self.aborted: list[str] = []
 
-    def generate(self, request_id, prompt_ids, params, lora_request=None):
+    def generate(self, request_id, prompt_ids, params, lora_request=None, user=None):
         self.sent.append(request_id)
         self.outstanding_tokens += len(prompt_ids)
         return iter(())

@@ -46,7 +46,7 @@ class FakeEngine:
         self.stats: dict = {}
         self.sent: list[str] = []
 
-    def generate(self, request_id, prompt_ids, params, lora_request=None):
+    def generate(self, request_id, prompt_ids, params, lora_request=None, user=None):
         self.sent.append(request_id)
         return iter(())
 
@@ -142,7 +142,7 @@ def test_replicas_learn_their_speed_from_the_outputs_they_return(monkeypatch):
     monkeypatch.setattr(replicas, "time", SimpleNamespace(monotonic=lambda: next(clock)))
 
     class Streaming(FakeEngine):
-        async def generate(self, request_id, prompt_ids, params, lora_request=None):
+        async def generate(self, request_id, prompt_ids, params, lora_request=None, user=None):
             for _ in range(3):
                 yield SimpleNamespace(output=SimpleNamespace(new_token_ids=[1, 2]))
 
@@ -163,7 +163,7 @@ def test_closing_a_replica_stream_early_closes_the_engine_stream():
     closed = []
 
     class Streaming(FakeEngine):
-        async def generate(self, request_id, prompt_ids, params, lora_request=None):
+        async def generate(self, request_id, prompt_ids, params, lora_request=None, user=None):
             try:
                 while True:
                     yield SimpleNamespace(output=SimpleNamespace(new_token_ids=[1]))
@@ -213,7 +213,7 @@ class Restartable(FakeEngine):
     def abort(self, request_id):
         pass
 
-    async def generate(self, request_id, prompt_ids, params, lora_request=None):
+    async def generate(self, request_id, prompt_ids, params, lora_request=None, user=None):
         from types import SimpleNamespace
 
         from paged.engine.async_engine import EngineDeadError

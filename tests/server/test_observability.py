@@ -261,7 +261,8 @@ def test_dashboard_names_exist(live):
 def test_request_log_metrics_and_span(live):
     client, log, spans = live
     before = samples(client.get("/metrics").text)
-    body = {"prompt": "a private prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "a private prompt", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "user": "user-42"}  # fmt: skip
     trace, parent = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
     r = client.post("/v1/completions", json=body,
                     headers={"traceparent": f"00-{trace}-{parent}-01"}).json()  # fmt: skip
@@ -293,12 +294,29 @@ def test_request_log_metrics_and_span(live):
     (line,) = lines
     assert "Avg prompt throughput" in text  # the stats line, while the engine worked
     assert "output 4 tokens" in line and "finish length" in line and "ttft" in line
+    assert line.endswith(", user 'user-42'")  # the client's end user
     assert "private" not in text  # never the prompt without --log-requests-content
     span = next(s for _, s in spans if s.name == "llm_request")
     attrs = {a.key: a.value for a in span.attributes}
     assert attrs["gen_ai.request.id"].string_value == rid
     assert attrs["gen_ai.usage.completion_tokens"].int_value == 4
     assert attrs["gen_ai.response.model"].string_value == "tiny-qwen"
+    assert attrs["user.id"].string_value == "user-42"
     assert attrs["gen_ai.latency.time_to_first_token"].double_value > 0
     assert spans[0][0]["service.name"] == "paged"
     assert (span.trace_id.hex(), span.parent_span_id.hex()) == (trace, parent)  # the caller's
+
+
+def test_chat_and_messages_name_their_end_user(live):
+    client, log, _ = live
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "u-chat"}
+    ids = [client.post("/v1/chat/completions", json=chat).json()["id"]]
+    msg = {"model": "tiny-qwen", "max_tokens": 2, "metadata": {"user_id": "u-anthropic"},
+           "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    ids.append(client.post("/v1/messages", json=msg).json()["id"])
+    deadline, lines = time.monotonic() + 30, []
+    while time.monotonic() < deadline and len(lines) < 2:
+        text = log.read_text()
+        lines = [ln for rid in ids for ln in text.splitlines() if f"request {rid}:" in ln]
+        time.sleep(0.1)
+    assert [ln.rsplit(", user ", 1)[-1] for ln in lines] == ["'u-chat'", "'u-anthropic'"]

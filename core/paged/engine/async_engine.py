@@ -216,6 +216,7 @@ class RequestRecord:
     first_token: float  # 0.0: none came
     last_token: float
     cached_tokens: int  # prompt tokens found in the prefix cache
+    user: str | None = None  # the end user the client named (OpenAI's `user`)
 
     @property
     def output_tokens(self) -> int:
@@ -409,8 +410,10 @@ class AsyncEngine:
         prompt_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[SeqUpdate]:
-        """Yield every update of the request's n sequences until all have finished.
+        """Yield every update of the request's n sequences until all have finished. `user`:
+        the end user the client named (OpenAI's `user`), for the request log and trace.
 
         Raises ValueError when the core refuses the request, EngineStepError when a step
         fails, EngineDeadError when the core is gone. Closing the iterator early aborts
@@ -482,7 +485,7 @@ class AsyncEngine:
                 rec = RequestRecord(request_id, prompt_ids, params, states, reasons, arrival,
                                     time.monotonic() - t0, self._queued.get(request_id),
                                     first_at and first_at - t0, max(last) and max(last) - t0,
-                                    cached)  # fmt: skip
+                                    cached, user)  # fmt: skip
                 obs.request_done(rec)
             self._queued.pop(request_id, None)
 

@@ -257,11 +257,12 @@ class Replica:
         prompt_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         """The engine's generate (started now: its load rises at once), measured."""
         if self._mark is None or self.load == 0:
             self._mark, self._done = time.monotonic(), 0  # a busy interval starts
-        updates = self.engine.generate(request_id, prompt_ids, params, lora_request)
+        updates = self.engine.generate(request_id, prompt_ids, params, lora_request, user)
         return self._measured(updates, prompt_ids)
 
     def unload_lora(self, lora_int_id: int) -> None:
@@ -551,6 +552,7 @@ class ReplicaSet:
         prompt_ids: list[int],
         params: SamplingParams,
         lora_request: LoRARequest | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         """AsyncEngine.generate on the routed replica. Its load rises as soon as the iterator
         starts (the request is sent), before any other request is routed. The replica
@@ -559,8 +561,8 @@ class ReplicaSet:
         hashes = block_hashes(prompt_ids)  # once: for the router and the replica's index
         replica = self.route(prompt_ids, params, hashes)
         replica.prefix.add(hashes)
-        first = replica.generate(request_id, prompt_ids, params, lora_request)
-        return self._retrying(request_id, prompt_ids, params, replica, first, lora_request)
+        first = replica.generate(request_id, prompt_ids, params, lora_request, user)
+        return self._retrying(request_id, prompt_ids, params, replica, first, lora_request, user)
 
     async def _retrying(
         self,
@@ -570,6 +572,7 @@ class ReplicaSet:
         replica: Replica,
         updates: AsyncIterator[SeqUpdate],
         lora_request: LoRARequest | None = None,
+        user: str | None = None,
     ) -> AsyncIterator[SeqUpdate]:
         attempts, produced, t0 = 1, False, time.monotonic()
         try:
@@ -590,7 +593,7 @@ class ReplicaSet:
                 log.warning("request %s: its replica died before it produced a token; sent "
                             "again to replica %d", request_id, replica.index)  # fmt: skip
                 replica.prefix.add(block_hashes(prompt_ids))
-                updates = replica.generate(request_id, prompt_ids, params, lora_request)
+                updates = replica.generate(request_id, prompt_ids, params, lora_request, user)
         except EngineDeadError:
             if not produced and self._observer is not None:  # its engines did not count it
                 for _ in range(params.num_sequences):

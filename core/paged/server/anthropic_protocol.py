@@ -121,7 +121,7 @@ class OutputConfig(OpenAIModel):
 
 
 class Metadata(OpenAIModel):
-    user_id: Annotated[str, Field(max_length=256)] | None = None  # accepted, as chat's `user`
+    user_id: Annotated[str, Field(max_length=256)] | None = None  # as chat's `user`
 
 
 class CountTokensRequest(RequestBody):

@@ -60,7 +60,7 @@ async def run_beam_search(
     async def expand(step: int, i: int, tokens: list[int]) -> dict[int, float]:
         last = None
         beam = f"{rid}-s{step}-b{i}"
-        async for u in sv.engine.generate(beam, tokens, step_params, prompt.lora):
+        async for u in sv.engine.generate(beam, tokens, step_params, prompt.lora, prompt.user):
             last = u.output
         return last.logprobs[0]
 

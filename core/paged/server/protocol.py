@@ -25,7 +25,6 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses 
 
 class OpenAIModel(BaseModel):
     # Every field is honoured or refused: an unknown one is a 400 naming it, never ignored.
-    # (`user` is the one field accepted with no effect, declared below.)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -118,7 +117,7 @@ class SamplingRequest(RequestBody):
     spaces_between_special_tokens: bool = True  # slow tokenizers (fast ones never add them)
     use_beam_search: bool = False  # n is the beam width (server/beam.py)
     length_penalty: float = 1.0  # beam ranking: cumulative logprob / length ** length_penalty
-    user: str | None = None  # accepted, ignored
+    user: str | None = None  # the end user: named in the request log line and trace span
     # Structured outputs (docs/structured.md): at most one of these five.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

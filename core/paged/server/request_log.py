@@ -1,10 +1,11 @@
 """The server's log: one line per request that ended, and a periodic engine stats line.
 
-The request line (logger `paged.request`, INFO) carries counts and times only; the prompt,
-output text and sampling parameters only with --log-requests-content (at most --max-log-len
-characters each). The stats line (logger `paged.stats`) every --log-stats-interval seconds,
-as vLLM prints it: throughput since the last line, running and waiting requests, KV cache
-usage, prefix cache hit rate; INFO while the engine works, DEBUG when it is idle.
+The request line (logger `paged.request`, INFO) carries counts and times only, and the end
+user its `user` field named; the prompt, output text and sampling parameters only with
+--log-requests-content (at most --max-log-len characters each). The stats line (logger
+`paged.stats`) every --log-stats-interval seconds, as vLLM prints it: throughput since the
+last line, running and waiting requests, KV cache usage, prefix cache hit rate; INFO while
+the engine works, DEBUG when it is idle.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class RequestLogger:
             f"({rec.cached_tokens} cached), output {rec.output_tokens} tokens, ttft {ttft}, "
             f"total {rec.e2e:.3f} s, queue {queue}, finish {','.join(rec.finish_reasons)}"
         )
+        if rec.user is not None:  # the client's end-user id (OpenAI's `user`): abuse tracing
+            text += f", user {_clip(rec.user, 256)!r}"
         if self.content:
             tok = self.tokenizer()
             prompt = tok.decode(rec.prompt_ids) if tok is not None else str(rec.prompt_ids)

@@ -114,7 +114,7 @@ class ResponsesRequest(RequestBody):
     metadata: (
         Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None
     ) = None
-    user: str | None = None  # accepted, as chat's
+    user: str | None = None  # as chat's; echoed in the response
     text: TextConfig | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None

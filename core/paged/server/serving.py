@@ -21,7 +21,7 @@ from paged.sampling.params import SamplingParams
 from paged.server.chat_parsing import ParsingOptions
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
-from paged.server.lora_adapters import LoRAAdapters
+from paged.server.lora_adapters import CURRENT_USER, LoRAAdapters
 from paged.server.protocol import ChatMessage, SamplingRequest
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class Prompt:
     ids: list[int]
     params: SamplingParams  # max_tokens fitted to this prompt
     lora: LoRARequest | None = None  # the adapter the request's `model` named
+    user: str | None = None  # the end user the request named (its `user` field)
 
 
 class Serving:
@@ -146,12 +147,14 @@ class Serving:
         if not self.engine.ready:
             raise APIError(503, "the engine is starting; retry when /health answers 200")
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, user: str | None = None) -> None:
         """404 unless `name` is the model or a LoRA adapter (none or "": the model). The
-        adapter it names is this request's: the prompts `fit` builds next run with it."""
+        adapter it names and the end `user` are this request's: the prompts `fit` builds next
+        run with the adapter and name the user in the request log and trace."""
         self.check_ready()
         lora = self.loras.get(name)
         CURRENT_LORA.set(lora)
+        CURRENT_USER.set(user)
         if name and name != self.model_name and lora is None:
             raise APIError(
                 404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
@@ -213,7 +216,7 @@ class Serving:
                 params = dataclasses.replace(params, max_tokens=most)
             except ValueError as e:
                 raise bad_request(e) from None
-        return Prompt(text, ids, params, CURRENT_LORA.get())
+        return Prompt(text, ids, params, CURRENT_LORA.get(), CURRENT_USER.get())
 
     # ---- chat templates ----------------------------------------------------------------
     async def render_chat(
@@ -270,14 +273,15 @@ class Serving:
         """(prompt index, update) from every prompt's request, as they come."""
         if len(prompts) == 1:
             p = prompts[0]
-            async for u in self.engine.generate(request_id, p.ids, p.params, p.lora):
+            async for u in self.engine.generate(request_id, p.ids, p.params, p.lora, p.user):
                 yield 0, u
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(k: int, p: Prompt) -> None:
             try:
-                async for u in self.engine.generate(f"{request_id}-p{k}", p.ids, p.params, p.lora):
+                rid = f"{request_id}-p{k}"
+                async for u in self.engine.generate(rid, p.ids, p.params, p.lora, p.user):
                     q.put_nowait((k, u))
                 q.put_nowait((k, None))
             except BaseException as e:

@@ -81,7 +81,7 @@ async def count_tokens(sv: Serving, req: CountTokensRequest) -> dict[str, Any]:
 
 
 async def create_message(sv: Serving, req: MessagesRequest) -> dict[str, Any] | SSEResponse:
-    sv.check_model(req.model)
+    sv.check_model(req.model, req.metadata.user_id if req.metadata else None)
     chat = _chat(req, sv)
     prompt, parsing = await prepare(sv, chat, NAMES)
     rid = hex_id("msg")

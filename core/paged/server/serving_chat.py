@@ -34,7 +34,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 async def create_chat_completion(
     sv: Serving, req: ChatCompletionRequest
 ) -> dict[str, Any] | SSEResponse:
-    sv.check_model(req.model)
+    sv.check_model(req.model, req.user)
     check_beam_request(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")

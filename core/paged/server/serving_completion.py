@@ -27,7 +27,7 @@ MAX_SEQUENCES = 1024  # prompts x n (or best_of) in one request
 
 
 async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, Any] | SSEResponse:
-    sv.check_model(req.model)
+    sv.check_model(req.model, req.user)
     if req.suffix is not None:
         msg = "suffix: not supported: this model has no fill-in-the-middle template"
         raise APIError(400, msg, "suffix")

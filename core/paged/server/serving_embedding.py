@@ -16,6 +16,7 @@ from paged.engine.pooling import embedding_params
 from paged.pooling_params import PoolingParams
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
+from paged.server.lora_adapters import CURRENT_USER
 from paged.server.protocol import RequestBody
 from paged.server.serving import Prompt, Serving, api_error, new_id
 
@@ -29,14 +30,14 @@ class EmbeddingRequest(RequestBody):
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # Matryoshka models only
-    user: str | None = Field(None, max_length=256)  # accepted with no effect, as OpenAI's
+    user: str | None = Field(None, max_length=256)  # named in the request log and trace
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k (-1: all fit)
     normalize: bool | None = None  # vLLM: None is the model's default
     add_special_tokens: bool = True  # vLLM: for string inputs
 
 
 async def create_embedding(sv: Serving, req: EmbeddingRequest) -> dict[str, Any]:
-    sv.check_model(req.model)  # the model, or a LoRA adapter the vectors are computed with
+    sv.check_model(req.model, req.user)  # the model, or a LoRA adapter the vectors use
     raw: list = [req.input] if isinstance(req.input, str) else list(req.input)
     if raw and isinstance(raw[0], int):
         raw = [raw]  # one prompt of token ids
@@ -100,7 +101,8 @@ async def _prompt(sv: Serving, item: str | list[int], params, special: bool) -> 
             f"{len(ids)} tokens (truncate_prompt_tokens keeps the last ones)"
         )
         raise APIError(400, msg, "input", "context_length_exceeded")
-    return Prompt(item if isinstance(item, str) else None, ids, params, CURRENT_LORA.get())
+    text = item if isinstance(item, str) else None
+    return Prompt(text, ids, params, CURRENT_LORA.get(), CURRENT_USER.get())
 
 
 def _encode(vec: list[float], encoding_format: str) -> list[float] | str:

@@ -76,7 +76,7 @@ class ResponseStore:
 
     async def create(self, req: ResponsesRequest) -> dict[str, Any] | SSEResponse:
         sv = self.sv
-        sv.check_model(req.model)
+        sv.check_model(req.model, req.user)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = self._find(req.previous_response_id)

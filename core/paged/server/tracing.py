@@ -116,6 +116,8 @@ class RequestTracer:
         }
         if p.max_tokens is not None:
             out["gen_ai.request.max_tokens"] = p.max_tokens
+        if rec.user is not None:  # the request's `user` field
+            out["user.id"] = rec.user
         if rec.queue_time is not None:
             out["gen_ai.latency.time_in_queue"] = rec.queue_time
         if rec.first_token:
