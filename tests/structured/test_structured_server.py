@@ -182,6 +182,7 @@ BAD = [
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
     ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [5, 2**70]}, "allowed_token_ids"),  # beyond any int the pipe carries
     ({"bad_words": [""]}, "bad_words"),
 ]  # fmt: skip
 

@@ -187,6 +187,7 @@ class Serving:
                 raise bad_request(e) from None
         self.check_ids(p.stop_token_ids or [], "stop_token_ids")
         self.check_ids(list(p.logit_bias or {}), "logit_bias")
+        self.check_ids(p.allowed_token_ids or [], "allowed_token_ids")  # before the engine's pipe
         return p
 
     def fit(self, text: str | None, ids: list[int], params: SamplingParams, field: str) -> Prompt:
