@@ -21,9 +21,6 @@ from paged.server.errors import APIError
 # The adapter the current request's `model` field named (set by Serving.check_model, read by
 # Serving.fit into the request's Prompt, within the same handler).
 CURRENT: ContextVar[LoRARequest | None] = ContextVar("paged_lora", default=None)
-# The end user the current request named (OpenAI's `user`, Anthropic's metadata.user_id), set
-# and read as CURRENT: it goes with the request to the request log and its trace span.
-CURRENT_USER: ContextVar[str | None] = ContextVar("paged_user", default=None)
 
 
 class LoRAAdapters:

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.responses import StreamingResponse
@@ -21,13 +22,16 @@ from paged.sampling.params import SamplingParams
 from paged.server.chat_parsing import ParsingOptions
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
-from paged.server.lora_adapters import CURRENT_USER, LoRAAdapters
+from paged.server.lora_adapters import LoRAAdapters
 from paged.server.protocol import ChatMessage, SamplingRequest
 
 if TYPE_CHECKING:
     from paged.engine.replicas import ReplicaSet
 
 log = logging.getLogger("paged.server")
+# The end user the current request named (OpenAI's `user`, Anthropic's metadata.user_id): set
+# by Serving.check_model, read by Serving.fit into the request's Prompt (as the LoRA adapter).
+CURRENT_USER: ContextVar[str | None] = ContextVar("paged_user", default=None)
 T = TypeVar("T")
 CHARS_PER_TOKEN = 32  # default prompt-size bound: far above any tokenizer's real ratio
 

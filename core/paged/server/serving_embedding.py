@@ -16,9 +16,8 @@ from paged.engine.pooling import embedding_params
 from paged.pooling_params import PoolingParams
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
-from paged.server.lora_adapters import CURRENT_USER
 from paged.server.protocol import RequestBody
-from paged.server.serving import Prompt, Serving, api_error, new_id
+from paged.server.serving import CURRENT_USER, Prompt, Serving, api_error, new_id
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 TokenId = Annotated[StrictInt, Field(ge=0)]
