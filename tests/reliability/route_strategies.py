@@ -6,8 +6,21 @@ the LoRA routes. Mostly plausible, with invalid specs mixed in (test_property)."
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from request_strategies import field, junk, max_tokens, text, token
+from request_strategies import VOCAB, field_text, junk, surrogates
 
+
+def field(
+    good: st.SearchStrategy, bad: st.SearchStrategy | None = None, other: st.SearchStrategy = junk
+) -> st.SearchStrategy:
+    """Mostly a valid value; one time in 40 an invalid one, one in 40 any JSON at all (these
+    bodies have many fields: most requests should still get past validation)."""
+    bad = bad if bad is not None else other
+    return st.integers(0, 39).flatmap(lambda i: other if i == 0 else bad if i == 1 else good)
+
+
+text = field(field_text, surrogates, st.text())
+token = field(st.integers(0, VOCAB - 1), st.sampled_from([-1, VOCAB, 10**12, 2**70]))
+max_tokens = field(st.integers(1, 4), st.sampled_from([0, -2, 10**20]), st.text(max_size=3))
 booleans = field(st.booleans())
 fn_name = field(
     st.sampled_from(["get_weather", "f", "a-b", "x" * 64]),
@@ -89,13 +102,24 @@ tool_call = st.fixed_dictionaries({
     "function": field(st.fixed_dictionaries({"name": fn_name, "arguments": arguments})),
 })  # fmt: skip
 part = st.fixed_dictionaries(
-    {"type": st.sampled_from(["text", "image_url", "input_audio"]), "text": text}
+    {"type": field(st.just("text"), st.sampled_from(["image_url", "input_audio"])), "text": text}
 )
-message = st.fixed_dictionaries(
-    {"role": field(st.sampled_from(["system", "developer", "user", "assistant", "tool"])),
-     "content": field(text | st.none() | st.lists(part, max_size=2))},
-    optional={"tool_calls": field(st.lists(tool_call, max_size=2)), "tool_call_id": field(text),
-              "name": field(text), "reasoning_content": field(text)},
+content = field(text | st.lists(part, min_size=1, max_size=2), st.none())
+message = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "user", "assistant"]),
+         "content": content},
+        optional={"name": field(text)}),
+    st.fixed_dictionaries(
+        {"role": st.just("assistant"), "tool_calls": field(st.lists(tool_call, max_size=2))},
+        optional={"content": content}),
+    st.fixed_dictionaries(
+        {"role": st.just("tool"), "content": content, "tool_call_id": field(text)}),
+    st.fixed_dictionaries(  # anything goes
+        {"role": field(st.sampled_from(["system", "user", "assistant", "tool", "wizard"])),
+         "content": field(text | st.none() | st.lists(part, max_size=2))},
+        optional={"tool_calls": field(st.lists(tool_call, max_size=2)),
+                  "tool_call_id": field(text), "reasoning_content": field(text)}),
 )  # fmt: skip
 template_keys = st.sampled_from(["enable_thinking", "tools", "messages", "x", "tokenize"])
 
@@ -105,7 +129,8 @@ def with_constraint(base: st.SearchStrategy) -> st.SearchStrategy:
 
 
 chat = with_constraint(st.fixed_dictionaries(
-    {"messages": field(st.lists(message, min_size=1, max_size=3)), "max_tokens": max_tokens},
+    {"messages": field(st.lists(message, min_size=1, max_size=3), st.just([])),
+     "max_tokens": max_tokens},
     optional={
         "tools": field(st.lists(tool, max_size=2)), "tool_choice": tool_choice,
         "parallel_tool_calls": booleans, "stream": st.booleans(), "n": field(st.integers(1, 2)),
@@ -166,21 +191,26 @@ thinking = st.fixed_dictionaries(
     optional={"budget_tokens": field(st.integers(0, 5000)),
               "display": field(st.sampled_from(["summarized", "omitted"]))},
 )  # fmt: skip
-anthropic = st.fixed_dictionaries(
-    {"model": field(st.just("tiny-llama")), "max_tokens": max_tokens,
+count_tokens = st.fixed_dictionaries(
+    {"model": field(st.just("tiny-llama")),
      "messages": field(st.lists(a_message, min_size=1, max_size=3))},
     optional={
         "system": field(text | st.lists(text_block, max_size=2)),
-        "temperature": field(st.floats(0, 1)), "top_p": field(st.floats(0, 1)),
-        "top_k": field(st.integers(0, 50)), "stop_sequences": field(st.lists(text, max_size=2)),
-        "stream": st.booleans(), "tools": field(st.lists(a_tool, max_size=2)),
-        "metadata": field(st.fixed_dictionaries({}, optional={"user_id": field(text)})),
-        "tool_choice": field(a_tool_choice), "thinking": field(thinking),
-        "output_config": field(st.fixed_dictionaries({"format": field(st.fixed_dictionaries(
-            {"type": st.just("json_schema"), "schema": any_schema}))})),
-        "service_tier": junk,
+        "tools": field(st.lists(a_tool, max_size=2)), "tool_choice": field(a_tool_choice),
+        "thinking": field(thinking),
     },
 )  # fmt: skip
+message_fields = st.fixed_dictionaries(
+    {"max_tokens": max_tokens, "stream": st.booleans()},
+    optional={
+        "temperature": field(st.floats(0, 1)), "top_p": field(st.floats(0, 1)),
+        "top_k": field(st.integers(0, 50)), "stop_sequences": field(st.lists(text, max_size=2)),
+        "metadata": field(st.fixed_dictionaries({}, optional={"user_id": field(text)})),
+        "output_config": field(st.fixed_dictionaries({"format": field(st.fixed_dictionaries(
+            {"type": st.just("json_schema"), "schema": any_schema}))})),
+    },
+)  # fmt: skip
+anthropic = st.tuples(count_tokens, message_fields).map(lambda t: {**t[0], **t[1]})
 
 # ---- /v1/responses --------------------------------------------------------------------------
 r_part = st.fixed_dictionaries(
@@ -239,7 +269,7 @@ ROUTE_REQUESTS = st.one_of(
     st.tuples(st.just("/v1/chat/completions"), chat),
     st.tuples(st.just("/v1/completions"), completion),
     st.tuples(st.just("/v1/messages"), anthropic),
-    st.tuples(st.just("/v1/messages/count_tokens"), anthropic),
+    st.tuples(st.just("/v1/messages/count_tokens"), count_tokens),
     st.tuples(st.just("/v1/responses"), responses),
     st.tuples(st.just("/v1/embeddings"), embeddings),
     st.tuples(st.sampled_from(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]), lora),
