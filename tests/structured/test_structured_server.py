@@ -184,6 +184,8 @@ BAD = [
     ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ({"allowed_token_ids": [5, 2**70]}, "allowed_token_ids"),  # beyond any int the pipe carries
     ({"bad_words": [""]}, "bad_words"),
+    # valid, but asks for a byte no token of SmolLM2's vocabulary holds: found while generating
+    ({"guided_choice": ["\x16"]}, "structured_outputs"),
 ]  # fmt: skip
 
 
@@ -200,3 +202,13 @@ def test_invalid_specs_are_400s_naming_the_field(server, route):
     # The engine lives on.
     r = httpx.post(server.url + route, json=base | {"guided_choice": ["fine"]}, timeout=60)
     assert r.status_code == 200
+
+
+def test_a_constraint_no_token_can_meet_is_a_client_error_in_a_stream(server):
+    body = {"prompt": "hi", "max_tokens": 4, "guided_regex": "ok\x16", "stream": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines()[:-1] if ln.startswith("data: {")]
+    err = events[-1]["error"]  # after "ok": no token produces the byte 0x16
+    assert r.status_code == 200 and err["type"] == "invalid_request_error", events
+    assert err["param"] == "structured_outputs" and "tokenizer cannot produce" in err["message"]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices")) == "ok"

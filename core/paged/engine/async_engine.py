@@ -33,7 +33,7 @@ from paged.config import EngineConfig
 from paged.engine import messages as m
 from paged.engine.faults import Faults
 from paged.engine.gc_pauses import freeze_startup_objects
-from paged.engine.messages import EngineOutput
+from paged.engine.messages import REJECTED, EngineOutput
 from paged.engine.outputs import OutputState
 from paged.engine.request import sample_params, sequence_ids
 from paged.lora.request import LoRARequest
@@ -41,7 +41,6 @@ from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
-REJECTED = "rejected"  # finish_reason of a request the core refused in add_request
 HEARTBEAT_S = 1.0  # the core process says it is alive this often
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
-from paged.engine.messages import EngineOutput  # re-exported: defined with the wire types
+from paged.engine.messages import REJECTED, EngineOutput  # EngineOutput re-exported
 from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from paged.scheduled import TokenBitmask
 
 log = logging.getLogger("paged")
+UNSATISFIABLE = (
+    "structured_outputs: no token of the model's vocabulary can continue the output under this "
+    "request's constraints (the structured output with min_tokens, allowed_token_ids and "
+    "bad_words): it asks for text the tokenizer cannot produce"
+)
 
 
 def eos_ids(hf_config) -> tuple[int, ...]:
@@ -381,9 +386,9 @@ class EngineCore:
                 state = self.structured.accept(req.request_id, tok)
                 if state == "done":  # the grammar is complete
                     self.scheduler.finish(req, "stop")
-                elif state == "refused":  # only when the mask left nothing (min_tokens)
-                    self.scheduler.finish(req, "error")
-                    error = f"structured outputs: the grammar refused token {tok}"
+                elif state == "refused":  # the mask left nothing: the client's constraints
+                    self.scheduler.finish(req, REJECTED)  # can't be met (a 400, not a 500)
+                    error = UNSATISFIABLE
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 self.structured.free(req.request_id)

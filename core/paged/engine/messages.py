@@ -20,6 +20,9 @@ from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
 _WIRE = dict(array_like=True, gc=False)  # compact arrays; no reference cycles to collect
+# finish_reason of a request the core refused as the client's error (the server answers 400):
+# at admission, or a constraint no token of the vocabulary can continue
+REJECTED = "rejected"
 
 
 class EngineOutput(msgspec.Struct, **_WIRE):
