@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +82,15 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+def wait_idle(http: httpx.Client, timeout: float = 10.0) -> str:
+    """/metrics once nothing runs or waits and every KV block is free."""
+    end = time.monotonic() + timeout
+    while True:
+        m = http.get("/metrics").text
+        busy = metric(m, "paged:num_requests_running") + metric(m, "paged:num_requests_waiting")
+        if busy == 0 and metric(m, "paged:kv_cache_usage_perc") == 0:
+            return m
+        assert time.monotonic() < end, "requests still running or KV blocks still held"
+        time.sleep(0.05)

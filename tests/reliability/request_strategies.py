@@ -28,11 +28,17 @@ field_text = st.one_of(st.text(max_size=24), st.text(max_size=24), odd)
 
 
 def field(
-    good: st.SearchStrategy, bad: st.SearchStrategy | None = None, junk: st.SearchStrategy = junk
+    good: st.SearchStrategy,
+    bad: st.SearchStrategy | None = None,
+    junk: st.SearchStrategy = junk,
+    one_in: int = 20,
 ) -> st.SearchStrategy:
-    """Mostly a valid value; one time in ten an out-of-range one or any JSON at all."""
+    """Mostly a valid value; one time in `one_in` an out-of-range one, one in `one_in` any
+    JSON at all (one in ten either way by default)."""
     bad = bad if bad is not None else junk
-    return st.integers(0, 19).flatmap(lambda i: junk if i == 0 else bad if i == 1 else good)
+    return st.integers(0, one_in - 1).flatmap(
+        lambda i: junk if i == 0 else bad if i == 1 else good
+    )
 
 
 text = field(field_text, surrogates, st.text())

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from reliability_helpers import check_error, metric, start_server, stop_server
+from reliability_helpers import check_error, metric, start_server, stop_server, wait_idle
 
 POISON = 12345  # a step whose batch has this token id in a prompt raises
 SLOW = 23456  # a step whose batch has this one in a prompt sleeps 50 ms (holds it in flight)
@@ -33,18 +33,6 @@ def srv(tiny_model, tmp_path_factory):
 def http(srv):
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         yield c
-
-
-def wait_idle(http: httpx.Client, timeout: float = 10.0) -> str:
-    """/metrics once nothing runs or waits and every KV block is free."""
-    end = time.monotonic() + timeout
-    while True:
-        m = http.get("/metrics").text
-        busy = metric(m, "paged:num_requests_running") + metric(m, "paged:num_requests_waiting")
-        if busy == 0 and metric(m, "paged:kv_cache_usage_perc") == 0:
-            return m
-        assert time.monotonic() < end, "requests still running or KV blocks still held"
-        time.sleep(0.05)
 
 
 def greedy(prompt: list[int], max_tokens: int, stream: bool = False) -> dict:

@@ -8,11 +8,10 @@ the server's log, and the engine still serves."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 from hypothesis import HealthCheck, given, settings
-from reliability_helpers import assert_no_leak, check_error, metric
+from reliability_helpers import assert_no_leak, check_error, wait_idle
 from request_strategies import REQUESTS
 from route_strategies import ROUTE_REQUESTS
 
@@ -100,14 +99,4 @@ def test_generated_requests_to_every_route_never_5xx(tiny_http, tiny_server):
     assert sent[0] >= ROUTE_EXAMPLES
     assert faults() == before, "the server logged an internal error"
     assert tiny_http.get("/health").status_code == 200
-    deadline = time.monotonic() + 10  # every request ended and freed its KV blocks
-    while any(busy := kv_in_use(tiny_http)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(busy), busy
-
-
-def kv_in_use(http: httpx.Client) -> tuple[float, float]:
-    """(running + waiting requests, KV cache usage) from /metrics."""
-    m = http.get("/metrics").text
-    queued = metric(m, "paged:num_requests_running") + metric(m, "paged:num_requests_waiting")
-    return queued, metric(m, "paged:kv_cache_usage_perc")
+    wait_idle(tiny_http)  # every request ended and freed its KV blocks
