@@ -173,14 +173,9 @@ def test_offline_llm_applies_the_model_defaults(model_dir):
 
 
 def test_run_batch_applies_the_model_defaults(model_dir, tmp_path):
-    """paged run-batch: a chat line without max_tokens stops at the model's max_new_tokens; a
-    body's own sampling fields win over the defaults."""
-    from paged.cli.batch_body import sampling_params
+    """paged run-batch: a chat line without max_tokens stops at the model's max_new_tokens."""
     from paged.cli.main import main
 
-    p = sampling_params({"top_p": 0.5}, None, {"temperature": 0.6, "top_p": 0.9, "max_tokens": 5})
-    assert (p.temperature, p.top_p, p.max_tokens) == (0.6, 0.5, 5)
-    assert sampling_params({}, 16, {"max_tokens": 5}).max_tokens == 16  # completions: 16
     body = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions", "body": body}
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

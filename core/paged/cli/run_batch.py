@@ -1,23 +1,29 @@
-"""``paged run-batch``: an OpenAI batch file run offline through the ``LLM`` class.
+"""``paged run-batch``: an OpenAI batch file (JSONL) run offline through the server's own
+request handling, in process (the app without a socket).
 
-Input lines: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}. Output lines: {"id", "custom_id", "response": {"status_code", "request_id",
-"body"}, "error"}, in input order. A bad line gets an error entry; the rest still run.
+Input lines: {"custom_id", "method": "POST", "url", "body"}, `url` one of URLS. Each body is
+handled exactly as `paged serve` handles it (the same validation and fields: sampling,
+structured outputs, tools, logprobs, a LoRA adapter named by `model`), so a field is honoured or
+refused with a 400 naming it, never ignored. Output lines, in input order: {"id", "custom_id",
+"response": {"status_code", "request_id", "body"}, "error"}, `body` the JSON the server answers
+and `error` {"code", "message"} when the status is 4xx or 5xx. Every line goes to the engine at
+once (at most --max-concurrency in flight), so it batches them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import logging
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged.cli.batch_body import BodyError, chat_messages, completion_prompts, sampling_params
-
-URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+log = logging.getLogger("paged.run_batch")
 
 
 def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
@@ -26,187 +32,163 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
     )
     p.add_argument("-i", "--input-file", required=True, help="batch JSONL ('-' for stdin)")
     p.add_argument("-o", "--output-file", required=True, help="results JSONL ('-' for stdout)")
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=512,
+        help="lines in flight at once (the engine batches them; the rest wait their turn)",
+    )
+    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     if load:  # the engine flags import torch: only when this command runs
         from paged.config import EngineConfig
+        from paged.server.api import add_parsing_args
 
         EngineConfig.add_cli_args(p)
+        add_parsing_args(p)
     p.set_defaults(func=run)
 
 
 @dataclass
 class Item:
     index: int
-    custom_id: str | None = None
-    kind: str = ""
-    body: dict = field(default_factory=dict)
-    inputs: list = field(default_factory=list)  # chat: [messages]; completion: prompts
-    params: Any = None
-    result: dict | None = None  # the response body once it ran
-    error: tuple[int, str] | None = None  # (status code, message)
+    custom_id: Any = None
+    url: str = ""
+    body: bytes = b""  # the request body, as sent to the app
+    status: int = 0
+    answer: dict = field(default_factory=dict)  # the JSON body answered
+    request_id: str = field(default_factory=lambda: f"paged-batch-{uuid.uuid4().hex}")
+
+    def refuse(self, message: str, param: str | None = None) -> Item:
+        from paged.server.errors import error_body
+
+        self.status, self.answer = 400, error_body(400, message, param)
+        return self
 
 
-def parse_line(index: int, line: str, defaults: dict[str, Any] | None = None) -> Item:
-    """`defaults`: the generation config's sampling defaults (--generation-config)."""
+def parse_line(index: int, line: str) -> Item:
+    """A batch line as a request for the app, or refused (400) before it reaches the app."""
     item = Item(index)
     try:
         req = json.loads(line)
-        if not isinstance(req, dict):
-            raise BodyError("each line must be a JSON object")
-        item.custom_id = req.get("custom_id")
-        if req.get("method", "POST") != "POST":
-            raise BodyError(f"method: only POST is supported, not {req.get('method')!r}")
-        if req.get("url") not in URLS:
-            raise BodyError(f"url: must be one of {', '.join(URLS)}, not {req.get('url')!r}")
-        item.kind, item.body = URLS[req["url"]], req.get("body")
-        if not isinstance(item.body, dict):
-            raise BodyError("body: must be a JSON object")
-        if item.kind == "chat":
-            item.inputs = [chat_messages(item.body)]
-        else:
-            item.inputs = completion_prompts(item.body)
-        item.params = sampling_params(
-            item.body, 16 if item.kind == "completion" else None, defaults
-        )
     except json.JSONDecodeError as e:
-        item.error = (400, f"line {index + 1} is not valid JSON: {e}")
-    except (BodyError, ValueError, TypeError) as e:
-        item.error = (400, str(e))
+        return item.refuse(f"line {index + 1} is not valid JSON: {e}")
+    if not isinstance(req, dict):
+        return item.refuse("each line must be a JSON object")
+    item.custom_id = req.get("custom_id")
+    if req.get("method", "POST") != "POST":
+        return item.refuse(f"method: only POST is supported, not {req.get('method')!r}", "method")
+    if req.get("url") not in URLS:
+        return item.refuse(f"url: must be one of {', '.join(URLS)}, not {req.get('url')!r}", "url")
+    body = req.get("body")
+    if not isinstance(body, dict):
+        return item.refuse("body: must be a JSON object", "body")
+    if body.get("stream"):
+        return item.refuse("stream: a batch line cannot stream; leave stream unset", "stream")
+    item.url, item.body = req["url"], json.dumps(body).encode()
     return item
 
 
-def _ids(prompt: str | list[int]) -> str | dict:
-    return prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-
-
-def _execute(llm, items: list[Item], use_tqdm: bool) -> list:
-    """All items of one kind in one engine call: one RequestOutput per input."""
-    if not items:
-        return []
-    params = [it.params for it in items for _ in it.inputs]
-    if items[0].kind == "chat":
-        return llm.chat([it.inputs[0] for it in items], params, use_tqdm=use_tqdm)
-    prompts = [_ids(p) for it in items for p in it.inputs]
-    return llm.generate(prompts, params, use_tqdm=use_tqdm)
-
-
-def _abort_all(llm) -> None:
-    """Drop requests a failed call may have left in the engine before the next call."""
-    llm.engine.abort(list(llm.engine.requests))
-
-
-def run_items(llm, items: list[Item], model: str) -> None:
-    """Run the valid items batched per kind; when a batch fails, one at a time to isolate."""
-    for kind in ("chat", "completion"):
-        todo = [it for it in items if it.error is None and it.kind == kind]
-        if kind == "chat" and llm.tokenizer is None:
-            for it in todo:
-                it.error = (400, "messages: this model has no tokenizer, so no chat template")
-            continue
-        try:
-            groups = [(todo, _execute(llm, todo, use_tqdm=True))]
-        except Exception:
-            _abort_all(llm)
-            groups = []
-            for it in todo:
-                try:
-                    groups.append(([it], _execute(llm, [it], use_tqdm=False)))
-                except Exception as e:  # a request that breaks the engine must not stop us
-                    _abort_all(llm)
-                    bad_input = isinstance(e, ValueError)
-                    it.error = (400, str(e)) if bad_input else (500, f"{type(e).__name__}: {e}")
-        for group, outs in groups:
-            pos = 0
-            for it in group:
-                mine = outs[pos : pos + len(it.inputs)]
-                pos += len(it.inputs)
-                it.result = response_body(llm, it, mine, model)
-
-
-def response_body(llm, it: Item, outs: list, model: str) -> dict:
-    choices = []
-    n = it.params.n
-    for i, out in enumerate(outs):
-        for c in out.outputs:
-            choice: dict[str, Any] = {"index": i * n + c.index, "logprobs": None}
-            if it.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": c.text}
-            else:
-                prefix = ""
-                if it.body.get("echo"):
-                    prefix = out.prompt
-                    if prefix is None and llm.tokenizer is not None:
-                        prefix = llm.tokenizer.decode(out.prompt_token_ids)
-                choice["text"] = (prefix or "") + c.text
-            choice["finish_reason"] = c.finish_reason
-            choices.append(choice)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    completion_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    chat = it.kind == "chat"
-    return {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
-        },
+def output_line(it: Item) -> dict[str, Any]:
+    line: dict[str, Any] = {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": it.custom_id,
+        "response": {"status_code": it.status, "request_id": it.request_id, "body": it.answer},
+        "error": None,
     }
-
-
-def output_line(it: Item) -> dict:
-    rid = f"paged-batch-{uuid.uuid4().hex}"
-    line: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": it.custom_id}
-    if it.error is None:
-        line["response"] = {"status_code": 200, "request_id": rid, "body": it.result}
-        line["error"] = None
-        return line
-    status, msg = it.error
-    err_type = "invalid_request_error" if status < 500 else "internal_error"
-    body = {"error": {"message": msg, "type": err_type, "param": None, "code": status}}
-    line["response"] = {"status_code": status, "request_id": rid, "body": body}
-    line["error"] = {"code": err_type, "message": msg}
+    if it.status >= 400:
+        err = it.answer.get("error") if isinstance(it.answer, dict) else None
+        err = err if isinstance(err, dict) else {}
+        kind = "invalid_request_error" if it.status < 500 else "api_error"
+        line["error"] = {"code": err.get("type") or kind, "message": err.get("message") or ""}
     return line
 
 
-def model_name(llm) -> str:
-    src = llm.engine.source
-    return llm.config.served_model_name or (src.name if src else llm.config.model) or "default"
+async def send_all(app: Any, items: list[Item], concurrency: int) -> None:
+    """POST every item not yet answered to the ASGI `app`, at most `concurrency` at once."""
+    import httpx
+    from tqdm import tqdm
+
+    todo = [it for it in items if not it.status]
+    gate = asyncio.Semaphore(max(1, concurrency))
+    bar = tqdm(total=len(todo), desc="requests", unit="req", disable=None)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as c:
+
+        async def one(it: Item) -> None:
+            async with gate:
+                headers = {"content-type": "application/json"}
+                r = await c.post(it.url, content=it.body, headers=headers)
+            it.status = r.status_code
+            try:
+                it.answer = r.json()
+            except ValueError:
+                it.answer = {"error": {"message": r.text[:500], "type": "api_error"}}
+            bar.update()
+
+        await asyncio.gather(*(one(it) for it in todo))
+    bar.close()
+
+
+async def _run(config: Any, args: argparse.Namespace, items: list[Item]) -> int:
+    from paged.server.app import ServerState, build_app
+    from paged.server.metrics import ServerMetrics
+    from paged.server.serving_stack import StartError, build_serving
+
+    try:
+        serving = build_serving(config, args)
+    except StartError as e:
+        log.error("%s", e)
+        return 1
+    engine = serving.engine
+    engine.observer = metrics = ServerMetrics(
+        serving.model_name, lambda: engine.stats, getattr(engine, "replicas", None)
+    )
+    engine.start()
+    try:
+        if not await engine.wait_ready():
+            log.error("the engine did not start: %s", engine.dead)
+            return 1
+        await send_all(build_app(ServerState(serving, metrics)), items, args.max_concurrency)
+    finally:
+        await engine.shutdown()
+    if engine.dead is not None:
+        log.error("the engine died: %s", engine.dead)
+        return 1
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from paged.config import EngineConfig
-    from paged.engine.generation_config import generation_defaults
-    from paged.engine.llm import LLM
+    from paged.engine.async_engine import LOG_FORMAT
+    from paged.server.api import run_loop
+    from paged.server.serving_stack import parsing_options
 
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    try:
+        config = EngineConfig.from_cli_args(args)
+        parsing_options(args)
+    except ValueError as e:
+        log.error("invalid configuration: %s", e)
+        return 2
     if args.input_file == "-":
         text = sys.stdin.read()
     else:
         with open(args.input_file, encoding="utf-8") as f:
             text = f.read()
-    lines = [(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
-    config = EngineConfig.from_cli_args(args)
-    kwargs = {k: v for k, v in vars(config).items() if k != "model"}
-    llm = LLM(config.model, **kwargs)
-    src = llm.engine.source
-    defaults = generation_defaults(
-        config.generation_config, src.path if src else None, config.override_generation_config
-    )
-    items = [parse_line(i, ln, defaults) for i, ln in lines]
-    run_items(llm, items, model_name(llm))
-    text = "".join(json.dumps(output_line(it), ensure_ascii=False) + "\n" for it in items)
+    items = [parse_line(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
+    rc = run_loop(_run(config, args, items))
+    if rc != 0 and not all(it.status for it in items):
+        return rc  # nothing to write: the engine never took the lines
+    out = "".join(json.dumps(output_line(it), ensure_ascii=False) + "\n" for it in items)
     if args.output_file == "-":
-        sys.stdout.write(text)
+        sys.stdout.write(out)
     else:
         with open(args.output_file, "w", encoding="utf-8") as f:
-            f.write(text)
-    failed = sum(it.error is not None for it in items)
+            f.write(out)
+    failed = sum(it.status >= 400 for it in items)
     print(
         f"{len(items)} requests: {len(items) - failed} succeeded, {failed} failed; "
         f"results in {args.output_file}",
         file=sys.stderr,
     )
-    return 0
+    return rc

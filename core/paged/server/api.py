@@ -179,6 +179,8 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     elif getattr(args, "ray_address", None):
         log.error("--ray-address places the replicas of a --fleet file (docs/fleet.md)")
         return 2
+    from paged.server.serving_stack import parsing_options
+
     try:
         parsing_options(args)
         check_http_args(args)
@@ -203,30 +205,6 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
-
-
-def parsing_options(args: argparse.Namespace) -> Any:
-    """The tool-call and reasoning parsers the flags ask for; ValueError names the flag."""
-    from paged.server.chat_parsing import ParsingOptions
-
-    return ParsingOptions(
-        getattr(args, "enable_auto_tool_choice", False),
-        getattr(args, "tool_call_parser", None),
-        getattr(args, "reasoning_parser", None),
-    )
-
-
-def _tokenizer_loader(config: EngineConfig) -> tuple[str, Any, str | None]:
-    """(model name, a function loading the tokenizer or None, the model's path or None)
-    without loading weights."""
-    from paged.model.shapes import SHAPES
-
-    if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
-        return config.model, None, None  # a named shape: token ids only
-    from paged.model.loader import load_tokenizer, resolve_model
-
-    src = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
-    return src.name, lambda: load_tokenizer(src, config.tokenizer), src.path
 
 
 def _make_server(uv_config: Any, on_signal: Callable[[], bool]) -> Any:
@@ -265,51 +243,21 @@ async def _serve(
 ) -> int:
     import uvicorn
 
-    from paged.engine.generation_config import generation_defaults
-    from paged.engine.llm import load_chat_template
-    from paged.engine.replicas import make_engine
     from paged.server.app import ServerState, build_app
     from paged.server.http_options import with_cors
     from paged.server.limits import raise_fd_limit, timed_protocol
     from paged.server.metrics import ServerMetrics, cache_config_labels
     from paged.server.request_log import StatsLogger, request_logger
-    from paged.server.serving import Serving
+    from paged.server.serving_stack import StartError, build_serving
     from paged.server.tracing import with_trace_context
 
     t0 = time.perf_counter()
     try:
-        name, load_tok, model_path = _tokenizer_loader(config)
-        chat_template = load_chat_template(config.chat_template)
-        gen_defaults = generation_defaults(
-            config.generation_config, model_path, config.override_generation_config
-        )
-    except (ValueError, OSError) as e:
-        log.error("cannot start: %s", e)
+        serving = build_serving(config, args, faults, fleet)
+    except StartError as e:
+        log.error("%s", e)
         return 1
-    name = config.served_model_name or name
-    from paged.server.errors import APIError
-    from paged.server.lora_adapters import LoRAAdapters
-
-    loras = LoRAAdapters(config.enable_lora, config.max_lora_rank)
-    for mod in config.lora_modules or []:  # read and checked before anything starts
-        try:
-            loras.load(mod["name"], mod["path"], name, mod.get("base_model_name"))
-        except APIError as e:
-            log.error("cannot start: --lora-modules %s: %s", mod["name"], e.message)
-            return 1
-    router = getattr(args, "router", "prefix")
-    if fleet is not None:  # replica groups by platform (paged.engine.fleet)
-        from paged.engine.fleet import FleetError, build_fleet
-
-        ray_address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS")
-        try:
-            engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router,
-                                 args.fleet, ray_address)  # fmt: skip
-        except FleetError as e:
-            log.error("cannot start the fleet: %s", e)
-            return 1
-    else:  # data_parallel_size of them
-        engine = make_engine(config, args.log_level, load_tok, faults, router)
+    engine, name = serving.engine, serving.model_name
     if hasattr(engine, "wedge_timeout"):  # replicas: one silent this long is restarted
         engine.wedge_timeout = args.health_timeout
     cache_info = lambda: cache_config_labels(config, engine.info)  # noqa: E731
@@ -329,12 +277,6 @@ async def _serve(
             return 2
         metrics.listeners.append(tracer)
     engine.observer = metrics
-    serving = Serving(engine, name, chat_template, args.max_prompt_chars)
-    serving.parsing = parsing_options(args)
-    serving.loras = loras
-    serving.generation_defaults = gen_defaults
-    if gen_defaults:
-        log.info("sampling defaults from the generation config: %s", gen_defaults)
     state = ServerState(serving, metrics, api_key)
     state.max_body = args.max_request_body
     state.metrics_require_key = args.metrics_require_key

@@ -1,0 +1,93 @@
+"""The serving stack without HTTP: the model's name and tokenizer, the chat template, the
+generation defaults, LoRA adapters, the engine (one, data-parallel replicas or a fleet) and
+the `Serving` object over them. `paged serve` puts metrics and uvicorn in front of it;
+`paged run-batch` sends a batch file's lines through the same app in process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from paged.config import EngineConfig
+from paged.server.serving import Serving
+
+log = logging.getLogger("paged.server")
+
+
+class StartError(Exception):
+    """Why the stack cannot start: the message, as the log says it."""
+
+
+def tokenizer_loader(config: EngineConfig) -> tuple[str, Any, str | None]:
+    """(model name, a function loading the tokenizer or None, the model's path or None)
+    without loading weights."""
+    from paged.model.shapes import SHAPES
+
+    if config.load_format == "dummy" and config.model and config.model.lower() in SHAPES:
+        return config.model, None, None  # a named shape: token ids only
+    from paged.model.loader import load_tokenizer, resolve_model
+
+    src = resolve_model(config.model, config.load_format, config.revision, config.download_dir)
+    return src.name, lambda: load_tokenizer(src, config.tokenizer), src.path
+
+
+def parsing_options(args: argparse.Namespace) -> Any:
+    """The tool-call and reasoning parsers the flags ask for; ValueError names the flag."""
+    from paged.server.chat_parsing import ParsingOptions
+
+    return ParsingOptions(
+        getattr(args, "enable_auto_tool_choice", False),
+        getattr(args, "tool_call_parser", None),
+        getattr(args, "reasoning_parser", None),
+    )
+
+
+def build_serving(
+    config: EngineConfig, args: argparse.Namespace, faults: Any = None, fleet: Any = None
+) -> Serving:
+    """Everything `Serving` needs, checked before the engine starts (StartError otherwise);
+    the engine is made, not started. `args`: the parsing flags (add_parsing_args), and where
+    the command has them `--router`, `--fleet`, `--ray-address`, `--max-prompt-chars`."""
+    from paged.engine.generation_config import generation_defaults
+    from paged.engine.llm import load_chat_template
+    from paged.engine.replicas import make_engine
+    from paged.server.errors import APIError
+    from paged.server.lora_adapters import LoRAAdapters
+
+    try:
+        name, load_tok, model_path = tokenizer_loader(config)
+        chat_template = load_chat_template(config.chat_template)
+        gen_defaults = generation_defaults(
+            config.generation_config, model_path, config.override_generation_config
+        )
+        parsing = parsing_options(args)
+    except (ValueError, OSError) as e:
+        raise StartError(f"cannot start: {e}") from None
+    name = config.served_model_name or name
+    loras = LoRAAdapters(config.enable_lora, config.max_lora_rank)
+    for mod in config.lora_modules or []:  # read and checked before anything starts
+        try:
+            loras.load(mod["name"], mod["path"], name, mod.get("base_model_name"))
+        except APIError as e:
+            raise StartError(f"cannot start: --lora-modules {mod['name']}: {e.message}") from None
+    router = getattr(args, "router", "prefix")
+    if fleet is not None:  # replica groups by platform (paged.engine.fleet)
+        from paged.engine.fleet import FleetError, build_fleet
+
+        ray_address = getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+        try:
+            engine = build_fleet(fleet, config, args.log_level, load_tok, faults, router,
+                                 args.fleet, ray_address)  # fmt: skip
+        except FleetError as e:
+            raise StartError(f"cannot start the fleet: {e}") from None
+    else:  # data_parallel_size of them
+        engine = make_engine(config, args.log_level, load_tok, faults, router)
+    serving = Serving(engine, name, chat_template, getattr(args, "max_prompt_chars", None))
+    serving.parsing = parsing
+    serving.loras = loras
+    serving.generation_defaults = gen_defaults
+    if gen_defaults:
+        log.info("sampling defaults from the generation config: %s", gen_defaults)
+    return serving
