@@ -11,9 +11,10 @@
    quantization kernel in front), paged's Triton fp8 GEMM (with its quantization), paged's
    int4_linear (AWQ/GPTQ layout, group 128: the split-K int4 GEMM below DEQUANT_MIN_ROWS, the
    weight dequantized + cuBLAS from there) and the same on GGUF Q8_0's 8-bit layout, and both
-   int4 paths at every row count (the split GEMM on its default config; up to 16 rows also with
-   the rows' columns loaded contiguously, as taller row blocks load them); `--sweep int4,int8`:
-   also the split GEMM on each shape's fastest config of a sweep. GB/s: weight bytes over time.
+   int4 paths at every row count (the split GEMM on its default config; under 32 rows also with
+   the rows' other load, gathered per code for 4-bit codes and contiguous for 8-bit ones);
+   `--sweep int4,int8`: also the split GEMM on each shape's fastest config of a sweep (the
+   configs listed in the results). GB/s: weight bytes over time.
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
@@ -43,18 +44,19 @@ sys.path.insert(0, str(ROOT / "core"))
 # (name, N, K) of one Llama-3.1-8B layer's projections (q/k/v and gate/up stacked)
 LAYER = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 LAYERS = 32
+SWEPT: list[tuple[str, str]] = []  # (shape, its fastest config and time) of --sweep
 
 
 def int4_gemm_split_calls(weights: list[dict], m: int):
     """The int4 linear of m rows on the split-K tensor-core GEMM, each shape on its fastest
     config of a small sweep (what `int4_gemm_split.default_config` should pick): up to 16 rows
-    one block of 16, 64 / 128 outputs, K steps of 128 / 256, SPLIT 1-8; more rows blocks of 32,
-    64 (and 128 from 128 rows), 64 / 128 outputs, K steps of 128, SPLIT 1-4."""
+    one block of 16, 64 / 128 outputs, K steps of 128 / 256, SPLIT 1-8; more rows blocks of 16,
+    32, 64 (and 128 from 128 rows), 64 / 128 outputs, K steps of 128, SPLIT 1-4."""
     import triton
 
     from paged.kernels.int4_gemm_split import int4_gemm_split
 
-    tall = [b for b in (32, 64, 128) if b <= max(64, triton.next_power_of_2(m))]
+    tall = [b for b in (16, 32, 64, 128) if b <= max(64, triton.next_power_of_2(m))]
     block_ms = [16] if m <= 16 else tall
 
     def configs(n: int, k: int) -> list[tuple]:
@@ -108,16 +110,17 @@ def _fastest(weights: list[dict], m: int, key: str, candidates_of, call, label: 
                 print(f"{label} {n}x{k} {c}: {type(e).__name__}", flush=True)
         ms, best[id(w)] = min(timed)
         print(f"{label} M={m} {n}x{k}: {best[id(w)]} {ms * 1e3:.1f} us", flush=True)
+        SWEPT.append((f"M={m} {label} {n}x{k}: fastest config", f"{best[id(w)]} {ms * 1e3:.1f} us"))
     return lambda w, a, aq: call(w, a, best[id(w)])
 
 
-def contiguous_rows(fn, *args):
-    """fn(*args) with every int4 split-GEMM row block loading the rows' columns contiguously
-    (int4_gemm_split.CONTIGUOUS_X_MIN_ROWS lowered to 16 for the call)."""
+def row_loads(contiguous: bool, fn, *args):
+    """fn(*args) with the int4 split GEMM loading the rows' columns contiguously (`contiguous`)
+    or gathered per code, whatever int4_gemm_split.CONTIGUOUS_X_MIN_ROWS says."""
     from paged.kernels import int4_gemm_split
 
     before = int4_gemm_split.CONTIGUOUS_X_MIN_ROWS
-    int4_gemm_split.CONTIGUOUS_X_MIN_ROWS = 16
+    int4_gemm_split.CONTIGUOUS_X_MIN_ROWS = dict.fromkeys(before, 1 if contiguous else 1 << 30)
     try:
         return fn(*args)
     finally:
@@ -179,14 +182,22 @@ def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
         }  # fmt: skip
         variants["int4 split-K GEMM (default)"] = ("int4", layer(lambda w, a, aq: int4_gemm_split(
             a, w["codes"], w["sc"], w["z"], 128, None, None, 4)))  # fmt: skip
-        if m <= 16:  # the rows' columns loaded contiguously, as row blocks of 32+ load them
-            variants["int4 split-K GEMM (default), rows contiguous"] = ("int4", layer(
-                lambda w, a, aq: contiguous_rows(int4_gemm_split, a, w["codes"], w["sc"], w["z"],
-                                                 128, None, None, 4)))  # fmt: skip
+        if m < 32:  # the rows' columns gathered per code (the default until 2026-12-06)
+            variants["int4 split-K GEMM (default), rows gathered"] = ("int4", layer(
+                lambda w, a, aq: row_loads(False, int4_gemm_split, a, w["codes"], w["sc"], w["z"],
+                                           128, None, None, 4)))  # fmt: skip
         variants["int4 dequantized + cuBLAS"] = ("int4", layer(lambda w, a, aq: F.linear(
             a, dequantize(w["codes"], w["sc"], w["z"], 128, None, 4, bf16))))  # fmt: skip
+        if 5 <= m < 32:
+            variants["int8 split-K GEMM (default), rows gathered"] = ("int8", layer(
+                lambda w, a, aq: row_loads(False, int4_gemm_split, a, w["codes8"], w["sc8"],
+                                           w["z8"], 32, None, None, 8)))  # fmt: skip
         variants["int8 split-K GEMM (default)"] = ("int8", layer(lambda w, a, aq: int4_gemm_split(
             a, w["codes8"], w["sc8"], w["z8"], 32, None, None, 8)))  # fmt: skip
+        if m < 5:
+            variants["int8 split-K GEMM (default), rows contiguous"] = ("int8", layer(
+                lambda w, a, aq: row_loads(True, int4_gemm_split, a, w["codes8"], w["sc8"],
+                                           w["z8"], 32, None, None, 8)))  # fmt: skip
         variants["int8 dequantized + cuBLAS"] = ("int8", layer(lambda w, a, aq: F.linear(
             a, dequantize(w["codes8"], w["sc8"], w["z8"], 32, None, 8, bf16))))  # fmt: skip
         variants["int4 GGUF Q4_1 (group 32, mins)"] = ("int4", layer(lambda w, a, aq: int4_linear(
@@ -194,10 +205,10 @@ def gemm_bench(rows: list[int], sweep: str) -> list[dict]:
         variants["int4 GGUF Q4_1 split-K GEMM (default)"] = ("int4", layer(
             lambda w, a, aq: int4_gemm_split(a, w["codes"], w["sc32"], w["z32"], 32, None,
                                              w["m32"], 4)))  # fmt: skip
-        if m <= 16:
-            variants["int4 GGUF Q4_1 split-K GEMM (default), rows contiguous"] = ("int4", layer(
-                lambda w, a, aq: contiguous_rows(int4_gemm_split, a, w["codes"], w["sc32"],
-                                                 w["z32"], 32, None, w["m32"], 4)))  # fmt: skip
+        if m < 32:
+            variants["int4 GGUF Q4_1 split-K GEMM (default), rows gathered"] = ("int4", layer(
+                lambda w, a, aq: row_loads(False, int4_gemm_split, a, w["codes"], w["sc32"],
+                                           w["z32"], 32, None, w["m32"], 4)))  # fmt: skip
         variants["int4 GGUF Q4_1 dequantized + cuBLAS"] = ("int4", layer(
             lambda w, a, aq: F.linear(a, dequantize(w["codes"], w["sc32"], w["z32"], 32, w["m32"],
                                                     4, bf16))))  # fmt: skip
@@ -472,7 +483,7 @@ def main() -> int:
     text = report(gemms, engine, args, acc)
     print(text)
     rows = [(f"M={g['rows']} {g['variant']}", f"step {g['step_ms']:.2f} ms, "
-             f"{g['gb_per_s']:.0f} GB/s") for g in gemms]  # fmt: skip
+             f"{g['gb_per_s']:.0f} GB/s") for g in gemms] + SWEPT  # fmt: skip
     for e in engine:
         lat, tp = e.get("latency", {}), e.get("throughput", {})
         rows.append((f"--quantization {e['variant']}",

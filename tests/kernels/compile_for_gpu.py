@@ -183,7 +183,7 @@ def quantized_linears() -> None:
     # ragged (masked loads): 200 outputs in blocks of 64
     int4_gemm_split(t(1, k), t(200, k // 8, dtype=torch.int32), t(200, 4, dtype=torch.float32),
                     t(200, 4, dtype=torch.uint8), 128, None, None, 4, (16, 64, 128, 2, 4))
-    for rows in (1, 8, 64):  # fp8: the GEMV (decode), the GEMM; int4: split GEMM, dequantized
+    for rows in (1, 8, 64, 160):  # fp8: the GEMV (decode), the GEMM; int4: split GEMM, dequantized
         x = t(rows, k)
         fp8_linear(x, w8, t(n, 1, dtype=torch.float32), k)  # per channel
         fp8_linear(x, w8, t(n, k // 128, dtype=torch.float32), 128, t(n))  # blocks, bias

@@ -61,6 +61,12 @@ def test_default_config_splits_small_grids_only():
     assert default_config(16, 28672, 4096, 4) == (16, 128, 128, 8, 4)  # more rows: 128 wide
     assert default_config(8, 4096, 256, 4)[3] == 1  # slices would be < 4 steps
     assert default_config(1, 64, 4096, 8)[:3] == (16, 64, 64)  # 8-bit: 64 columns a step
+    # taller blocks: 32 rows (128 outputs), 64 rows (64 outputs); split 4 on small grids
+    assert default_config(32, 6144, 4096, 4) == (32, 128, 128, 4, 4)  # 48 tiles
+    assert default_config(17, 28672, 4096, 4) == (32, 128, 128, 1, 4)  # 224 tiles
+    assert default_config(64, 4096, 14336, 4) == (64, 64, 128, 4, 4)
+    assert default_config(33, 28672, 4096, 4) == (64, 64, 128, 2, 4)  # 448 tiles
+    assert default_config(64, 4096, 512, 4)[3] == 1  # slices would be < 4 steps
 
 
 def _weights(n: int, k: int, group_k: int, with_mins: bool, seed: int, bits: int = 4):
@@ -118,8 +124,8 @@ def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch, reference_
     """Int4TunedGemm on an AWQ-style QuantLinear (groups of 128) and GGUF ones (4-bit with
     mins, 8-bit; groups of 32): inputs of up to TUNED_MAX_ROWS rows, of any leading shape, go
     through int4_linear with the config, more rows through the layer's own forward (its
-    platform's op: here the CPU's torch reference). int4_linear runs the split GEMM for the
-    groups of 128 and dequantizes GGUF's narrower groups."""
+    platform's op: here the CPU's torch reference). int4_linear runs the split GEMM for every
+    group width."""
     from paged.kernels import int4_gemm
     from paged.kernels.int4_gemm_split import code_bits
     from paged.quantization.base import QuantLinear
@@ -152,4 +158,4 @@ def test_the_tuned_forward_takes_up_to_four_rows(device, monkeypatch, reference_
                 reference = ref.int4_linear if bits == 4 else ref.int8_linear
                 want = reference(x, codes, scales, zeros, group_k, lin.bias.cpu(), mins)
                 _close(lin(x.to(device)).cpu(), want, 2e-3)
-        assert configs == ([(16, 16, 128, 2, 4)] * 3 if group_k == 128 else [])
+        assert configs == [(16, 16, 128, 2, 4)] * 3

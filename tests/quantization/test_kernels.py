@@ -55,8 +55,9 @@ def test_fp8_linear_matches_reference(device, dtype, m, n, k, group_k):
     (1, 40, 256, 128, False, 4), (3, 64, 128, 32, True, 4),  # GGUF Q4_1's groups of 32
     (6, 24, 256, 128, False, 4), (20, 72, 128, 64, False, 4), (9, 32, 96, 32, True, 4),
     (40, 24, 256, 128, False, 4),  # from DEQUANT_MIN_ROWS: the weight dequantized + F.linear
+    (33, 40, 128, 32, True, 4),  # GGUF Q4_1 from DEQUANT_MIN_ROWS
     (1, 40, 128, 32, False, 8), (2, 24, 96, 32, True, 8),  # 8-bit codes (GGUF Q8_0)
-    (6, 24, 64, 32, True, 8), (33, 40, 160, 32, False, 8),
+    (6, 24, 64, 32, True, 8), (33, 40, 160, 32, False, 8), (32, 40, 160, 32, False, 8),
 ])  # fmt: skip
 def test_int4_linear_matches_reference(device, dtype, m, n, k, group_k, with_mins, bits):
     from paged.kernels.int4_gemm import int4_linear

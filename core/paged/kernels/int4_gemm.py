@@ -7,17 +7,22 @@ reference rounds the product and the sum.
 
 Codes are int32 [N, K/8] (column k: bits 4*(k%8) of word k//8; 8-bit codes: [N, K/4], bits
 8*(k%4) of word k//4), scales float32 and zeros uint8 [N, K/group]: one output channel's codes
-are contiguous. Up to DEQUANT_MIN_ROWS rows (decode batches, batch 1 included):
+are contiguous. Below DEQUANT_MIN_ROWS rows (decode batches, batch 1 included):
 `int4_gemm_split`, a split-K GEMM that dequantizes each weight tile once for the tensor cores,
-where its K step (16 code words) lies in one group (AWQ / GPTQ's groups of 128 with 4-bit
-codes). More rows, or groups narrower than the step (GGUF's groups of 32; with a scale, zero
-and min loaded per code word the split GEMM was slower than dequantizing, 721 against 532 us a
-layer for Q4_1 and 708 against 510 for Q8_0 at one row on an H100; it now loads them once a
-group, not yet timed): the weight dequantized whole by `_dequant_kernel` (the reference's
-values), then the platform's GEMM (F.linear), as vLLM does for AWQ batches: on an H100
-(Llama-3.1-8B's projections) that took 394 us a layer at 16 rows and 435 us at 256, against
-the split GEMM's 159 us at 16 rows and 566 us at 24; the dequantization reads half a byte and
-writes two a weight.
+for every group width (GGUF's groups of 32 load a scale, zero and min a group of the step).
+More rows: the weight dequantized whole by `_dequant_kernel` (the reference's values), then the
+platform's GEMM (F.linear), as vLLM does for AWQ batches; the dequantization reads half a byte
+and writes two a weight. On an H100 (Llama-3.1-8B's layer x 32, bench/quant_gpu.py,
+2026-12-06), split GEMM against dequantized + cuBLAS, ms a step (bf16 cuBLAS: 4.99 at one row,
+5.58 at 128):
+
+| rows | group 128 | GGUF Q4_1 (32, mins) | GGUF Q8_0 (32) |
+|---|---|---|---|
+| 1 | 4.01 / 12.38 | 4.92 / 16.83 | 5.35 / 16.16 |
+| 16 | 3.97 / 12.40 | 4.74 / 16.87 | 7.09 / 16.16 (5.37 with contiguous rows) |
+| 32 | 5.27 / 12.41 | 6.33 / 16.89 | 5.82 / 16.20 |
+| 64 | 6.40 / 12.44 | 7.81 / 16.89 | 7.23 / 16.20 |
+| 128 | 11.26 / 12.79 | 13.35 / 17.23 | 12.79 / 16.54 |
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from paged.kernels.int4_gemm_split import Config, code_bits, int4_gemm_split, steps_in_one_group
+from paged.kernels.int4_gemm_split import Config, code_bits, int4_gemm_split
 
-DEQUANT_MIN_ROWS = 17  # from here: the weight dequantized, then F.linear
+DEQUANT_MIN_ROWS = 129  # from here: the weight dequantized, then F.linear
 TUNED_MAX_ROWS = 4  # Int4TunedGemm's config (timed at one row) serves decode batches up to this
 
 
@@ -115,7 +120,7 @@ def int4_linear(
     n = scales.shape[0]
     if group_k < 16 or group_k & (group_k - 1):
         raise ValueError(f"int{bits}: group of {group_k} columns is not a power of 2 >= 16")
-    if x2.shape[0] >= DEQUANT_MIN_ROWS or not steps_in_one_group(group_k, bits):
+    if x2.shape[0] >= DEQUANT_MIN_ROWS:
         w = dequantize(codes, scales, zeros, group_k, mins, bits, x.dtype)
         b = None if bias is None else bias.to(x.dtype)
         return torch.nn.functional.linear(x2, w, b).view(*shape[:-1], n)

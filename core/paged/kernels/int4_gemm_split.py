@@ -6,12 +6,12 @@ per-weight multiply-adds of a GEMV on the vector units.
 
 Each program loads a [BLOCK_N, WK] tile of code words and dequantizes it once, code by code
 (`_code_weights`): the j-th code of every word is input column PER w + j, so code j's weights
-[BLOCK_N, WK] meet the rows' columns j, j + PER, ... (a strided load of the rows, which stay in
-the cache; row blocks of CONTIGUOUS_X_MIN_ROWS or more load the step's columns whole and split
-them per code in registers) in one tl.dot of depth WK: PER dots a step, no reshape of the
-tile. The row blocks are the grid's fastest axis, so the programs that share a weight tile run
-side by side and read it from the cache. Weights are rounded to the rows' dtype as the
-reference rounds them; products and sums in float32, in the tensor cores' order.
+[BLOCK_N, WK] meet the rows' columns j, j + PER, ... (the step's columns of the rows loaded
+whole and split per code in registers; 8-bit codes of fewer than 5 rows gather each code's
+columns with a strided load instead) in one tl.dot of depth WK: PER dots a step, no
+reshape of the tile. The row blocks are the grid's fastest axis, so the programs that share a
+weight tile run side by side and read it from the cache. Weights are rounded to the rows' dtype
+as the reference rounds them; products and sums in float32, in the tensor cores' order.
 
 Partial sums: the last program of a (row block, output block) (counted atomically) adds the
 SPLIT float32 partials in slice order, adds the bias and stores the block, then resets its
@@ -20,8 +20,10 @@ counter: one launch, graph-safe, the same sums whichever program is last.
 Measured on an H100 (Llama-3.1-8B's four projections, group 128; bench/quant_gpu.py): a
 layer's int4 linears at one row in 116 us against 165 us on a split-K GEMV and 693 us on a GEMV
 of 32 outputs a program; 126 us at 4 rows and 159 us at 16, where the whole weight
-dequantized, then cuBLAS, took 394 us. Row blocks of 32 rows ran slower (566 us a layer at 24
-rows, with per-code gathers of the rows), so int4_linear dequantizes from 17 rows.
+dequantized, then cuBLAS, took 394 us. On 2026-12-06 blocks of 32 and 64 rows (the rows'
+columns loaded contiguously) took 5.27 and 6.40 ms a step at 32 and 64 rows, two blocks of 64
+11.26 ms at 128, against 12.4-12.8 dequantized (GGUF's layouts: 5.8-13.4 against 16.2-17.2),
+so int4_linear dequantizes from 129 rows (at 256: 17.6 against 13.7).
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from paged.kernels import pdl
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps)
 PROGRAMS = 768  # default_config's target grid
 COUNTER_SLOTS = 1 << 16  # tickets of a device's shared counters (int32)
-# Row blocks from this many rows load a step's columns of the rows contiguously and split them
-# per code in registers (an sm_90a build of 32-row blocks issues a third of the global loads of
-# per-code gathers); smaller ones gather each code's columns (what the H100 timings above ran).
-CONTIGUOUS_X_MIN_ROWS = 32
+# From this many input rows (by code bits) the row blocks load a step's columns of the rows
+# contiguously and split them per code in registers; fewer gather each code's columns. On an
+# H100 (2026-12-06, Llama-3.1-8B's layer x 32, ms a step, contiguous / gathered): 4-bit codes
+# 4.01 / 4.18 at one row and 3.97 / 5.75 at 16 (GGUF Q4_1: 4.92 / 5.24, 4.74 / 6.55); 8-bit
+# (GGUF Q8_0) 5.42 / 5.35 at one row, 5.37 / 7.09 at 16.
+CONTIGUOUS_X_MIN_ROWS = {4: 1, 8: 5}
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -249,26 +253,29 @@ def _code_weights(words, high, j: tl.constexpr, s, z, m, dtype: tl.constexpr,
 
 
 def default_config(m: int, n: int, k: int, bits: int) -> Config:
-    """A config for m rows (at most 16: one row block): a K step of 16 code words, and K split
-    (up to 8 ways, each slice at least four steps). Up to 4 rows (decode): 64 outputs a
-    program, K split until the grid has PROGRAMS programs; more rows: 128 outputs, K split 8
-    ways. The H100 sweep (bench/results/quant-gpu.md): at 16 rows (16, 128, 128, 8) was the
-    fastest config for each of Llama-3.1-8B's four projections; at one row 64 outputs split 4
-    to 8 ways for three of them."""
+    """A config for m rows: a K step of 16 code words, K split up to 8 ways (each slice at least
+    four steps). Up to 4 rows (decode): one block of 16 rows, 64 outputs a program, K split until
+    the grid has PROGRAMS programs; 5-16 rows: 128 outputs, K split 8 ways. More rows, one block
+    of 32 rows and 128 outputs up to 32 rows, of 64 and 64 outputs beyond: K split 4 ways, or
+    (a grid of 128 blocks or more already) not at all up to 32 rows and 2 ways beyond. The H100
+    sweeps (bench/results/quant-gpu.md, Llama-3.1-8B's four projections): at 16 rows (16, 128,
+    128, 8) was the fastest for each, at one row 64 outputs split 4 to 8 ways for three of them,
+    and at 32 and 64 rows these configs for all four (5.21 and 6.25 ms a step, against 6.74 and
+    12.46 on blocks of 16 rows)."""
     block_k = 16 * 32 // bits
-    block_n = 64 if m <= 4 else 128
-    tiles = triton.cdiv(m, 16) * triton.cdiv(n, block_n)  # a ticket counter each when split
-    split = 1
-    while (split < 8 and k // (2 * split) >= 4 * block_k and tiles <= COUNTER_SLOTS
-           and (m > 4 or tiles * split < PROGRAMS)):  # fmt: skip
-        split *= 2
-    return 16, block_n, block_k, split, 4
-
-
-def steps_in_one_group(group_k: int, bits: int) -> bool:
-    """Whether default_config's K step (16 code words) lies in one group of `group_k` columns:
-    one scale and zero a column, where narrower groups need them per word."""
-    return group_k >= 16 * 32 // bits
+    if m > 16:
+        block_m, block_n = (32, 128) if m <= 32 else (64, 64)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split = 4 if tiles < 128 else (1 if m <= 32 else 2)
+    else:
+        block_m, block_n = 16, 64 if m <= 4 else 128
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        while split < 8 and (m > 4 or tiles * split < PROGRAMS):
+            split *= 2
+    while split > 1 and (k // split < 4 * block_k or tiles > COUNTER_SLOTS):
+        split //= 2
+    return block_m, block_n, block_k, split, 4
 
 
 def counters_for(device: torch.device) -> torch.Tensor:
@@ -320,7 +327,7 @@ def int4_gemm_split(
         WORD_GROUPS=block_k > group_k, BITS=bits, SPLIT=split, UPCAST=upcast, BLOCK_M=block_m,
         BLOCK_N=block_n, WK=block_k // per_word,
         EVEN=n % block_n == 0 and k % block_k == 0 and per * (split - 1) < k,
-        CONTIGUOUS_X=block_m >= CONTIGUOUS_X_MIN_ROWS, num_warps=warps,
+        CONTIGUOUS_X=m >= CONTIGUOUS_X_MIN_ROWS[bits], num_warps=warps,
         enable_fp_fusion=mins is None, **pdl.launch(),
     )  # fmt: skip
     return out

@@ -6,8 +6,7 @@ from the shape alone. At start-up, for each int4 weight shape among the model's 
 default and a few other configs are timed at one row, each in a CUDA graph over every weight of
 that shape (so they come from HBM, as in a decode step); a shape whose best config beats the
 default by gemv_select.MARGIN runs it for inputs of up to TUNED_MAX_ROWS rows. A shape is
-(n, k, group, with mins, code bits); shapes whose groups are narrower than the GEMM's K step
-(GGUF's) are dequantized instead, and not timed.
+(n, k, group, with mins, code bits).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton
 from torch import nn
 
 from paged.kernels.int4_gemm import Int4TunedGemm, int4_linear
-from paged.kernels.int4_gemm_split import Config, code_bits, default_config, steps_in_one_group
+from paged.kernels.int4_gemm_split import Config, code_bits, default_config
 from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
 
 log = logging.getLogger("paged")
@@ -88,7 +87,7 @@ def use_measured_int4_gemm(model: nn.Module) -> None:
         return graph_time_or_inf([lambda m=m: int4_linear(x, *args(m), config) for m in mods])
 
     def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
-        return candidates(n, k, sms, bits) if steps_in_one_group(group, bits) else []
+        return candidates(n, k, sms, bits)
 
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_default, time_config)
