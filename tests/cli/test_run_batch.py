@@ -79,3 +79,64 @@ def test_run_batch(cli, tiny_llama, tmp_path):
     assert refused("stream") == (400, "stream: a batch line cannot stream; leave stream unset")
     assert refused("model")[0] == 404 and "model" in refused("model")[1]
     assert refused("get")[0] == 400 and refused("get")[1].startswith("method:")
+
+
+def test_a_failing_engine_step_fails_its_lines_only(tiny_llama, tmp_path, capsys):
+    """A line whose engine step raises (the test-only fault hook) is answered 500 naming the
+    engine; the other lines, before and after it, still run and the command exits 0."""
+    from paged.cli.main import build_parser
+    from paged.cli.run_batch import run
+    from paged.engine.faults import Faults
+
+    poison = 77
+    lines = [_line(f"c{i}", COMP, {"prompt": [5 + i, 6, 7], "max_tokens": 3, "ignore_eos": True})
+             for i in range(3)]  # fmt: skip
+    lines.insert(1, _line("bad", COMP, {"prompt": [poison, 6], "max_tokens": 3}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    argv = ["run-batch", "-i", str(src), "-o", str(dst), tiny_llama, "--max-model-len", "64",
+            "--kv-cache-memory", "8MiB", "--max-num-seqs", "1"]  # fmt: skip
+    assert run(build_parser(argv).parse_args(argv), Faults(fail_token=poison)) == 0
+    out = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    assert [out[f"c{i}"]["response"]["status_code"] for i in range(3)] == [200] * 3
+    bad = out["bad"]
+    assert bad["response"]["status_code"] == 500 and bad["error"]["code"] == "server_error"
+    assert "engine" in bad["error"]["message"] and "injected" not in bad["error"]["message"]
+    assert "4 requests: 3 succeeded, 1 failed" in capsys.readouterr().err
+
+
+def test_a_dead_engine_ends_the_run_with_5xx_lines_and_exit_1(tiny_llama, tmp_path, monkeypatch):
+    """The engine's process killed mid-run: the lines in flight and those not yet sent answer
+    503, the results are still written, and the command exits 1 (no hang)."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from paged.cli import run_batch
+    from paged.cli.main import build_parser
+    from paged.engine.faults import Faults
+
+    sending = threading.Event()  # the engine is ready and the lines are going to it
+    send_all = run_batch.send_all
+    monkeypatch.setattr(run_batch, "send_all", lambda *a: sending.set() or send_all(*a))
+    lines = [_line(f"c{i}", COMP, {"prompt": [5 + i, 6], "max_tokens": 40, "ignore_eos": True})
+             for i in range(6)]  # fmt: skip
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    argv = ["run-batch", "-i", str(src), "-o", str(dst), tiny_llama, "--max-model-len", "64",
+            "--kv-cache-memory", "8MiB", "--max-num-seqs", "2",
+            "--max-concurrency", "2"]  # fmt: skip
+    got: dict = {}
+    args = build_parser(argv).parse_args(argv)
+    t = threading.Thread(target=lambda: got.update(rc=run_batch.run(args, Faults(step_delay=0.05))))
+    t.start()
+    assert sending.wait(60)
+    time.sleep(0.5)  # the first two lines in flight (each 40 steps of 50 ms)
+    core = next(p for p in multiprocessing.active_children() if p.name == "paged-core")
+    os.kill(core.pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive() and got["rc"] == 1
+    codes = [json.loads(ln)["response"]["status_code"] for ln in dst.read_text().splitlines()]
+    assert len(codes) == 6 and 503 in codes and set(codes) <= {200, 503}, codes

@@ -129,13 +129,13 @@ async def send_all(app: Any, items: list[Item], concurrency: int) -> None:
     bar.close()
 
 
-async def _run(config: Any, args: argparse.Namespace, items: list[Item]) -> int:
+async def _run(config: Any, args: argparse.Namespace, items: list[Item], faults: Any) -> int:
     from paged.server.app import ServerState, build_app
     from paged.server.metrics import ServerMetrics
     from paged.server.serving_stack import StartError, build_serving
 
     try:
-        serving = build_serving(config, args)
+        serving = build_serving(config, args, faults)
     except StartError as e:
         log.error("%s", e)
         return 1
@@ -157,7 +157,10 @@ async def _run(config: Any, args: argparse.Namespace, items: list[Item]) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, faults: Any = None) -> int:
+    """Exit code 0 once the results are written, 1 if the engine did not start or died (the
+    lines it could not finish answer 5xx), 2 for invalid flags. `faults`: test-only fault
+    injection for the engine (paged/engine/faults.py)."""
     from paged.config import EngineConfig
     from paged.engine.async_engine import LOG_FORMAT
     from paged.server.api import run_loop
@@ -176,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.input_file, encoding="utf-8") as f:
             text = f.read()
     items = [parse_line(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
-    rc = run_loop(_run(config, args, items))
+    rc = run_loop(_run(config, args, items, faults))
     if rc != 0 and not all(it.status for it in items):
         return rc  # nothing to write: the engine never took the lines
     out = "".join(json.dumps(output_line(it), ensure_ascii=False) + "\n" for it in items)
