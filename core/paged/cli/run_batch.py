@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
     p.add_argument("-o", "--output-file", required=True, help="results JSONL ('-' for stdout)")
     p.add_argument(
         "--max-concurrency",
-        type=int,
+        type=_positive,
         default=512,
         help="lines in flight at once (the engine batches them; the rest wait their turn)",
     )
@@ -46,6 +46,13 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         EngineConfig.add_cli_args(p)
         add_parsing_args(p)
     p.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {n}")
+    return n
 
 
 @dataclass
@@ -109,7 +116,7 @@ async def send_all(app: Any, items: list[Item], concurrency: int) -> None:
     from tqdm import tqdm
 
     todo = [it for it in items if not it.status]
-    gate = asyncio.Semaphore(max(1, concurrency))
+    gate = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(todo), desc="requests", unit="req", disable=None)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as c:
