@@ -140,3 +140,10 @@ def test_a_dead_engine_ends_the_run_with_5xx_lines_and_exit_1(tiny_llama, tmp_pa
     assert not t.is_alive() and got["rc"] == 1
     codes = [json.loads(ln)["response"]["status_code"] for ln in dst.read_text().splitlines()]
     assert len(codes) == 6 and 503 in codes and set(codes) <= {200, 503}, codes
+
+
+def test_an_unwritable_output_fails_before_the_engine_runs(cli, tiny_llama, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(_line("c", COMP, {"prompt": "x"}) + "\n")
+    rc, _, err = cli("run-batch", "-i", src, "-o", tmp_path / "no" / "out.jsonl", tiny_llama)
+    assert rc == 1 and "No such file or directory" in err and "requests:" not in err

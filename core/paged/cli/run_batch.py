@@ -186,6 +186,8 @@ def run(args: argparse.Namespace, faults: Any = None) -> int:
         with open(args.input_file, encoding="utf-8") as f:
             text = f.read()
     items = [parse_line(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
+    if args.output_file != "-":  # a path we cannot write fails now, not after the whole run
+        open(args.output_file, "a", encoding="utf-8").close()
     rc = run_loop(_run(config, args, items, faults))
     if rc != 0 and not all(it.status for it in items):
         return rc  # nothing to write: the engine never took the lines
