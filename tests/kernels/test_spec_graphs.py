@@ -6,6 +6,7 @@ with prompts of several chunks, repeats that the n-grams find, and no blocks lea
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_graph_runner import FakeGraph, FakeGraphRunner
 from test_long_prompt import TritonOnCpu
@@ -59,6 +60,7 @@ class TritonGraphsOnCpu(TritonOnCpu):
         return ReplayRunner
 
 
+@pytest.mark.slow  # 20-40 s of interpreted graphs on two cores: with the long checks
 def test_verification_graphs_equal_plain_decoding(tiny_models, engines_on, interpreter_only):
     engines_on(TritonGraphsOnCpu())
     g = torch.Generator().manual_seed(3)

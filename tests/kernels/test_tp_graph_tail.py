@@ -80,6 +80,7 @@ def replay_site(tmp_path_factory) -> Path:
     return site
 
 
+@pytest.mark.slow  # 25-40 s: two ranks of interpreted graphs on two cores, with the long checks
 def test_head_in_graph_at_two_ranks(tiny_models, replay_site, interpreter_only):
     from test_hf_parity import hf_greedy
     from transformers import AutoModelForCausalLM
