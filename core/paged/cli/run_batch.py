@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 log = logging.getLogger("paged.run_batch")
 
@@ -38,11 +37,11 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         default=512,
         help="lines in flight at once (the engine batches them; the rest wait their turn)",
     )
-    p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     if load:  # the engine flags import torch: only when this command runs
         from paged.config import EngineConfig
-        from paged.server.api import add_parsing_args
+        from paged.server.api import LOG_LEVELS, add_parsing_args
 
+        p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
         EngineConfig.add_cli_args(p)
         add_parsing_args(p)
     p.set_defaults(func=run)
@@ -57,7 +56,6 @@ def _positive(text: str) -> int:
 
 @dataclass
 class Item:
-    index: int
     custom_id: Any = None
     url: str = ""
     body: bytes = b""  # the request body, as sent to the app
@@ -74,7 +72,7 @@ class Item:
 
 def parse_line(index: int, line: str) -> Item:
     """A batch line as a request for the app, or refused (400) before it reaches the app."""
-    item = Item(index)
+    item = Item()
     try:
         req = json.loads(line)
     except json.JSONDecodeError as e:
