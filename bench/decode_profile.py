@@ -3,11 +3,14 @@ weights in a real shape, kernels summed by name per generated token, and the dev
 between them.
 
     python bench/decode_profile.py [--model llama-3.1-8b] [--batch 1] [--tokens 64]
-        [--quantization fp8] [--kv-cache-dtype fp8] [--prompt-len 16]
+        [--quantization fp8] [--kv-cache-dtype fp8] [--prompt-len 16] [--no-cuda-pdl]
 
 Prints which dense linears' one-row products run the split-K GEMV instead of cuBLAS (the CUDA
 plugin's start-up choice), then per step: wall time, device busy and idle (gaps over 20 us: the
-host was late), and the kernels by their time per step (calls per step beside). The prompt is
+host was late), and the kernels by their time per step (calls per step beside). With
+programmatic dependent launch (the CUDA plugin's default) a kernel starts while the one before
+it ends, so the kernels' own times overlap and sum to more than the step: busy is the union of
+their intervals; `--no-cuda-pdl` gives each kernel's time alone. The prompt is
 16 tokens, so the one prefill step weighs little against `--tokens` decode steps; `--tokens 1
 --prompt-len 512` profiles a prefill step alone (run eagerly: is the host or the device late?).
 """
@@ -38,6 +41,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-cuda-pdl", action="store_true", help="plain launches (--cuda-pdl off)")
     ap.add_argument(
         "--sync-debug",
         action="store_true",
@@ -52,7 +56,8 @@ def main() -> None:
     llm = LLM(path, load_format="dummy", dtype=args.dtype, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.tokens + 16,
-              max_num_seqs=max(args.batch, 1))  # fmt: skip
+              max_num_seqs=max(args.batch, 1),
+              platform_options={"cuda_pdl": False} if args.no_cuda_pdl else {})  # fmt: skip
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]}
                for _ in range(args.batch)]  # fmt: skip
@@ -70,18 +75,21 @@ def main() -> None:
         return
     steps = args.tokens
     by_name: dict[str, list[float]] = {}
-    idle, end = 0.0, dev[0][1]
-    for start, stop, name in dev:
+    idle, busy, end = 0.0, 0.0, dev[0][0]
+    for start, stop, name in dev:  # sorted by start: busy is the intervals' union
         if start - end > 20:
             idle += start - end
+        busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
         entry = by_name.setdefault(name[:90], [0, 0.0])
         entry[0] += 1
         entry[1] += stop - start
-    busy = sum(v[1] for v in by_name.values())
+    summed = sum(v[1] for v in by_name.values())
     print(f"{args.model} {args.dtype} quantization={args.quantization} kv={args.kv_cache_dtype} "
           f"batch {args.batch}, {steps} tokens: wall {wall * 1e3 / steps:.3f} ms a step, device "
-          f"busy {busy / 1e3 / steps:.3f} ms, idle {idle / 1e3 / steps:.3f} ms "
+          f"busy {busy / 1e3 / steps:.3f} ms (kernels' times summed {summed / 1e3 / steps:.3f}), "
+          f"idle "
+          f"{idle / 1e3 / steps:.3f} ms "
           f"({len(dev) / steps:.0f} device events a step)")  # fmt: skip
     for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"  {us / steps:8.1f} us  {calls / steps:6.1f} calls  {name}")
