@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): config from metadata; weights dequantized to float32 with HF names."""
+"""GGUF files (llama.cpp): config from metadata; weights dequantized to float32 with HF names.
+The per-architecture tables (names, norms, config fields) are in gguf_archs.py."""
 
 from __future__ import annotations
 
@@ -10,40 +11,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from paged.model.gguf_archs import (
+    ARCHS,
+    BLOCKS,
+    CONFIGS,
+    IGNORED,
+    MOE_ARCHS,
+    NORM_SHIFT,
+    PERMUTED_QK,
+    SKIPPED_PREFIXES,
+    TOP,
+)
 from paged.model.loader import ModelLoadError, _show
 
+__all__ = ["ARCHS", "MOE_ARCHS", "gguf_config", "hf_name", "iter_gguf", "iter_gguf_blocks"]
 log = logging.getLogger(__name__)
 
-# general.architecture -> (transformers config class, architectures entry)
-ARCHS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-}
-# general.architecture -> the same for files with {arch}.expert_count > 0
-MOE_ARCHS = {"llama": ("MixtralConfig", "MixtralForCausalLM")}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
-    "attn_k_norm": "self_attn.k_norm",
-    # Mixture of experts: the router and the experts stacked [E, ...], yielded one expert
-    # at a time ("*" is the expert index)
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.*.gate_proj",
-    "ffn_up_exps": "mlp.experts.*.up_proj",
-    "ffn_down_exps": "mlp.experts.*.down_proj",
-}
-_IGNORED = ("rope_freqs", "attn_rot_embd")  # derived buffers, not parameters
 _NAME = re.compile(r"(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)")
 _EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")  # older Mixtral files
 
@@ -58,8 +41,9 @@ def _reader(path: str) -> Any:
         raise ModelLoadError(f"cannot read GGUF file {_show(path)}: {e}") from e
 
 
-def _meta(reader: Any, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value (arrays are refused: none is needed here)."""
+def _meta(reader: Any, key: str, default: Any = None, array: bool = False) -> Any:
+    """A scalar or string metadata value; an array as a list where `array` allows one (else
+    refused: where paged reads one value, a per-layer list would be misread)."""
     from gguf import GGUFValueType
 
     field = reader.fields.get(key)
@@ -67,6 +51,8 @@ def _meta(reader: Any, key: str, default: Any = None) -> Any:
         return default
     kind = field.types[0]
     if kind == GGUFValueType.ARRAY:
+        if array:
+            return list(field.contents())
         raise ModelLoadError(f"GGUF metadata {key} is an array; paged expects one value")
     part = field.parts[field.data[0]]
     if kind == GGUFValueType.STRING:
@@ -84,23 +70,25 @@ def _architecture(reader: Any) -> str:
 
 
 def gguf_config(path: str) -> Any:
-    """The transformers config (LlamaConfig / Qwen2Config) described by a GGUF file's metadata."""
+    """The transformers config (LlamaConfig, Gemma2Config, ...) a GGUF file's metadata describes."""
     import transformers
 
     reader = _reader(path)
     arch = _architecture(reader)
 
-    def get(key: str, default: Any = None) -> Any:
-        return _meta(reader, f"{arch}.{key}", default)
+    def get(key: str, default: Any = None, array: bool = False) -> Any:
+        return _meta(reader, f"{arch}.{key}", default, array)
 
     def tok(key: str) -> Any:
         return _meta(reader, f"tokenizer.ggml.{key}")
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
+    tensors = {t.name: t for t in reader.tensors}
     vocab = get("vocab_size")
-    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
+    if "token_embd.weight" in tensors:  # the embedding's rows (Gemma 3 files drop unused ones)
+        vocab = int(tensors["token_embd.weight"].shape[-1])
+    elif vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    tensors = {t.name for t in reader.tensors}
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -145,17 +133,20 @@ def gguf_config(path: str) -> Any:
         if scaling == "yarn":
             orig = get("rope.scaling.original_context_length")
             kwargs["rope_scaling"]["original_max_position_embeddings"] = orig
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and not (scaling == "longrope" and arch == "phi3"):
         log.warning("GGUF rope scaling %r is not applied", scaling)
     if "rope_freqs.weight" in tensors:  # Llama 3.x rope scaling, as convert_hf_to_gguf bakes it
-        rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        kwargs["rope_freq_factors"] = [float(x) for x in np.asarray(rope_freqs.data).ravel()]
+        rope_freqs = np.asarray(tensors["rope_freqs.weight"].data).ravel()
+        kwargs["rope_freq_factors"] = [float(x) for x in rope_freqs]
+    if arch in CONFIGS:
+        CONFIGS[arch](arch, get, kwargs, tensors)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return getattr(transformers, config_cls)(**kwargs)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF parameter name of a llama.cpp tensor name, None for tensors to skip."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF parameter name of a llama.cpp tensor name in a file of `arch`, None for tensors
+    to skip."""
     m = _EXPERT.fullmatch(gguf_name)
     if m is not None:
         block, proj, expert = m.groups()
@@ -163,12 +154,14 @@ def hf_name(gguf_name: str) -> str | None:
     m = _NAME.fullmatch(gguf_name)
     if m is not None:
         block, base, suffix = m.groups()
-        if block is None and base in _TOP:
-            return f"{_TOP[base]}.{suffix}"
-        if block is not None and base in _BLOCK:
-            return f"model.layers.{block}.{_BLOCK[base]}.{suffix}"
-        if base in _IGNORED:
+        if block is None and base in TOP:
+            return f"{TOP[base]}.{suffix}"
+        if block is not None and base in BLOCKS[arch]:
+            return f"model.layers.{block}.{BLOCKS[arch][base]}.{suffix}"
+        if base in IGNORED:
             return None
+    if gguf_name.startswith(SKIPPED_PREFIXES.get(arch, ())):
+        return None
     raise ModelLoadError(f"unknown GGUF tensor {_show(gguf_name)}")
 
 
@@ -186,10 +179,11 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
     from tqdm.auto import tqdm
 
     reader = _reader(path)
-    permute = _architecture(reader) == "llama"
+    arch = _architecture(reader)
+    permute, shift = arch in PERMUTED_QK, NORM_SHIFT.get(arch, 0.0)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         try:
@@ -200,6 +194,8 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
         proj = name.split(".")[-2]
         if permute and proj in heads:
             w = unpermute(w, heads[proj])
+        if shift and name.endswith("norm.weight"):
+            w = w - np.float32(shift)
         if "*" in name:  # stacked experts [E, ...]: one HF tensor each
             for e in range(w.shape[0]):
                 yield name.replace("*", str(e)), torch.from_numpy(w[e].copy())
@@ -223,13 +219,14 @@ def iter_gguf_blocks(
     32 (Q4_0: m = -8 d; Q8_0: code = q + 128, m = -128 d), q/k rows un-permuted like
     iter_gguf's. Other tensor types are skipped."""
     reader = _reader(path)
-    permute = _architecture(reader) == "llama"
+    arch = _architecture(reader)
+    permute = arch in PERMUTED_QK
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in _BLOCK_BYTES:
+        if kind not in _BLOCK_BYTES or len(t.shape) != 2:  # matrices only (norms: iter_gguf)
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None or "*" in name:  # stacked experts stay dense
             continue
         k, n = (int(x) for x in t.shape)
