@@ -1,6 +1,7 @@
 """Property-based runs (hypothesis) of generated requests against the tiny-model server:
 2,000 to the OpenAI routes (request_strategies), 800 with structured outputs, tools, beam
-search and to the Anthropic, Responses, embeddings and LoRA routes (route_strategies). Bodies
+search and to the Anthropic, Responses, embeddings and LoRA routes (route_strategies; with the
+long checks, `make test-slow`). Bodies
 are mostly plausible, with wrong types, out-of-range numbers, invalid schemas, regexes and
 grammars, odd Unicode and random JSON mixed in. No 5xx, no server error inside a stream or in
 the server's log, and the engine still serves."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from reliability_helpers import assert_no_leak, check_error, wait_idle
 from request_strategies import REQUESTS
@@ -73,6 +75,7 @@ def check_route(route: str, r: httpx.Response) -> None:
             assert ev.get("type") != "error" or ev["error"]["type"] == "invalid_request_error", ev
 
 
+@pytest.mark.slow  # 800 requests, ~25 s on two cores: with the long checks (CI runs them)
 def test_generated_requests_to_every_route_never_5xx(tiny_http, tiny_server):
     def faults() -> int:
         text = tiny_server.log.read_text(errors="replace")
