@@ -33,6 +33,30 @@ def test_parsing_options_and_auto_needs_the_flag():
     assert not ChatParsing(ParsingOptions(), req, "").active
 
 
+def test_qwen3_coder_types_the_arguments_by_the_requests_schema():
+    """The request's tools reach the parser: qwen3_coder's raw parameter text becomes the
+    JSON type the tool's schema declares, streamed or not."""
+    from paged.server.chat_parsing import ChatParsing, ParsingOptions
+    from paged.server.protocol import ChatCompletionRequest
+
+    tool = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"seats": {"type": "integer"}, "city": {"type": "string"},
+                                         "vip": {"type": "boolean"}}}}}  # fmt: skip
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool])
+    opts = ParsingOptions(enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
+    text = ("<tool_call>\n<function=book>\n<parameter=seats>\n2\n</parameter>\n"
+            "<parameter=city>\n42\n</parameter>\n<parameter=vip>\ntrue\n</parameter>\n"
+            "</function>\n</tool_call>")  # fmt: skip
+    msg, called = ChatParsing(opts, req, "").message(text)
+    assert called and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {
+        "seats": 2, "city": "42", "vip": True}  # fmt: skip
+    streamer, args = ChatParsing(opts, req, "").streamer(), ""
+    for i in range(0, len(text), 7):
+        out = streamer.feed(text[i : i + 7], i + 7 >= len(text))
+        args += "".join(c["function"].get("arguments", "") for c in out.get("tool_calls", []))
+    assert json.loads(args) == {"seats": 2, "city": "42", "vip": True}
+
+
 def test_mistral_keeps_its_special_tag_and_cuts_eos():
     """[TOOL_CALLS] is a special token of Mistral tokenizers: the text keeps special tokens
     (so the parser sees the tag) and the end-of-sequence text is cut off again."""

@@ -141,7 +141,9 @@ def add_parsing_args(parser: argparse.ArgumentParser) -> None:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen2.5, Qwen3, "
-        "Hermes, SmolLM), llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
+        "Hermes, SmolLM), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: "
+        "Llama 3.2, Llama 4), qwen3_coder (<function=...> XML: Qwen3-Coder), phi4_mini_json "
+        "(functools[...]: Phi-4-mini)",
     )
     g.add_argument(
         "--reasoning-parser",

@@ -110,7 +110,7 @@ class ChatParsing:
             self.schema = required_schema(req)
         elif choice == "auto":
             assert opts.tool_call_parser is not None
-            self.tool_parser = TOOL_PARSERS[opts.tool_call_parser]()
+            self.tool_parser = TOOL_PARSERS[opts.tool_call_parser](req.tools)  # their schemas
         self.max_calls = 1 if req.parallel_tool_calls is False else None
         self.eos_text: str | None = None  # cut off the end (see keep_special_tokens)
         self.reasoning: ReasoningParser | None = None

@@ -9,6 +9,7 @@ sends what is new, so the deltas of a stream join up to exactly the non-streamed
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,9 @@ class ToolParser:
     """A model family's tool-call format. Subclasses implement parse()."""
 
     name = ""
+
+    def __init__(self, tools: Sequence[Any] | None = None) -> None:
+        self.tools = tools  # the request's tools, for formats that need their schemas
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
