@@ -125,6 +125,26 @@ def test_tool_parser_complete_and_streamed(name, text, content, calls):
             assert got == (content, calls), chunks
 
 
+# Every format's calls, well-formed and broken, one after another: model output no parser
+# may raise on, streamed in any chunking (a malformed block before a later one included)
+MIXED = [
+    'a <tool_call>{"name": 1}</tool_call> x <tool_call>{"name": "f", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": {}} junk</tool_call><tool_call>{"name": "g"',
+    '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, }}] <tool_call>{"name": "g", "arg',
+    '{"name": "f", "parameters": {"x": 1}}; {"name": 2} [f(a=1), g(b=[1, 2)] tail',
+    'functools[{"name": "f", "arguments": {}}, {"name"] <function=f><parameter=x>1</function>',
+    "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<tool_call><function=g>",
+]
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_no_parser_raises_on_mixed_or_broken_calls(name):
+    for text in MIXED:
+        TOOL_PARSERS[name]().extract(text)
+        for chunks in chunkings(text, rounds=10):
+            stream_tools(TOOL_PARSERS[name](), chunks)
+
+
 def test_stream_sends_name_first_then_argument_fragments():
     text = f'<tool_call>{{"name": "get_weather", "arguments": {WEATHER}}}</tool_call>'
     st = ToolStreamer(TOOL_PARSERS["hermes"]())

@@ -46,7 +46,12 @@ class HermesToolParser(ToolParser):
         return out
 
     def _parse_before_invalid(self, text: str) -> Parsed:
-        """While streaming, a malformed block: keep what was known before it (the final
-        parse will show the whole text as content)."""
+        """While streaming, a malformed block: keep what was known before the first block
+        that is malformed (the final parse will show the whole text as content)."""
         j = text.rfind(START)
-        return self._parse(text[:j], False) if j > 0 else Parsed()
+        while j > 0:
+            try:
+                return self._parse(text[:j], False)
+            except Invalid:  # an earlier block is malformed too
+                j = text.rfind(START, 0, j)
+        return Parsed()
