@@ -138,7 +138,11 @@ class EngineConfig:
         "how worker processes start: mp (this host) | ray (a Ray cluster, across nodes)",
         default="mp",
     )
-    served_model_name: str | None = _opt("model name reported by the API")
+    served_model_name: list | None = _opt(
+        "the model's names in the API: requests may use any, responses report the first "
+        "(default: the model's own name)",
+        nargs="+",
+    )
     chat_template: str | None = _opt("a Jinja chat template file or string")
     runner: str = _opt(
         "auto | generate | pooling (embeddings: /v1/embeddings, LLM.embed); auto: pooling for "
@@ -241,6 +245,7 @@ class EngineConfig:
         _check_vllm_flags(self)
         check_backend(self.structured_outputs_backend)
         _check_speculative(self)
+        _check_names(self)
         _check_lora(self)
         if self.platform_options:
             known = platform_options()
@@ -389,6 +394,16 @@ def _check_vllm_flags(c: EngineConfig) -> None:
 
     c.override_generation_config = json_dict(c.override_generation_config)
     check_generation_flags(c.generation_config, c.override_generation_config)
+
+
+def _check_names(c: EngineConfig) -> None:
+    """--served-model-name: one name (a string, as LLM() takes it) or several, none empty."""
+    names = c.served_model_name
+    if isinstance(names, str):
+        names = [names]
+    if names is not None and (not names or not all(isinstance(n, str) and n for n in names)):
+        raise ValueError("served_model_name: names must be non-empty strings")
+    c.served_model_name = list(dict.fromkeys(names)) if names else None
 
 
 def _check_lora(c: EngineConfig) -> None:

@@ -51,6 +51,16 @@ def test_accepted_spellings_map_onto_ours():
     assert parse("--structured-outputs-config", '{"backend": "auto"}').structured_outputs_backend
 
 
+def test_served_model_names():
+    from paged.config import EngineConfig
+
+    assert parse("m", "--served-model-name", "a", "b", "a").served_model_name == ["a", "b"]
+    assert parse("m").served_model_name is None
+    assert EngineConfig(model="m", served_model_name="x").served_model_name == ["x"]  # LLM()
+    with pytest.raises(ValueError, match="served_model_name"):
+        EngineConfig(model="m", served_model_name=["a", ""])
+
+
 def test_uvicorn_access_log_flag():
     from paged.cli.main import build_parser
     from paged.server.http_options import uvicorn_options
@@ -234,6 +244,7 @@ def tls_server(model_dir, tmp_path_factory):
         "--log-level", "info", "--uvicorn-log-level", "warning", "--log-requests-content",
         "--disable-log-stats", "-tp", "1", "--enable-chunked-prefill", "--swap-space", "0",
         "--structured-outputs-config", '{"backend": "xgrammar"}',
+        "--served-model-name", "tiny-qwen", "tiny-alias",  # (after MODEL_ARGS': the last wins)
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
@@ -268,6 +279,16 @@ def test_tls_only(tls_server):
         httpx.get(srv.url.replace("https", "http") + "/health", timeout=10)
     with pytest.raises(httpx.ConnectError):  # an untrusted certificate
         httpx.get(srv.url + "/health", timeout=10)
+
+
+def test_every_served_name_answers_and_the_first_is_reported(tls_server):
+    _, client, _ = tls_server
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny-qwen", "tiny-alias"]
+    body = {"model": "tiny-alias", "prompt": "hi", "max_tokens": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["model"] == "tiny-qwen"
+    r = client.post("/v1/completions", json={**body, "model": "tiny"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
 def test_root_path(tls_server):

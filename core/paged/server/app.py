@@ -230,16 +230,16 @@ def build_app(state: ServerState) -> Any:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         sv.check_ready()
-        card = {"id": sv.model_name, "object": "model", "created": sv.created}
-        card |= {"owned_by": "paged", "root": sv.model_name, "parent": None}
-        card |= {"max_model_len": sv.max_model_len}
-        return {"object": "list", "data": [card, *sv.loras.cards(sv.created)]}
+        cards = [{"id": name, "object": "model", "created": sv.created, "owned_by": "paged",
+                  "root": sv.model_name, "parent": None, "max_model_len": sv.max_model_len}
+                 for name in sv.model_names]  # fmt: skip
+        return {"object": "list", "data": [*cards, *sv.loras.cards(sv.created)]}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         sv.check_ready()
-        sv.loras.check_new(req.lora_name, sv.model_name)
-        await sv.off_loop(sv.loras.load, req.lora_name, req.lora_path, sv.model_name)
+        sv.loras.check_new(req.lora_name, sv.model_names)
+        await sv.off_loop(sv.loras.load, req.lora_name, req.lora_path, sv.model_names)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

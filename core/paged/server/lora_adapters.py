@@ -11,6 +11,7 @@ that request). Requests carry the adapter's path, so every replica can load it o
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -33,30 +34,33 @@ class LoRAAdapters:
     def get(self, name: str | None) -> LoRARequest | None:
         return self.by_name.get(name) if name else None
 
-    def check_new(self, name: str, base_name: str) -> None:
+    def check_new(self, name: str, base_names: Sequence[str]) -> None:
         """APIError unless `name` can be given to a new adapter."""
         if not self.enabled:
             raise APIError(400, "lora_name: LoRA adapters need --enable-lora", "lora_name")
         if not name:
             raise APIError(400, "lora_name: must not be empty", "lora_name")
-        if name == base_name:
+        if name in base_names:
             raise APIError(400, f"lora_name: {name!r} is the base model's name", "lora_name")
         if name in self.by_name:
             msg = f"lora_name: the LoRA adapter {name!r} has already been loaded"
             raise APIError(400, msg, "lora_name")
 
-    def load(self, name: str, path: str, base_name: str, parent: str | None = None) -> LoRARequest:
+    def load(
+        self, name: str, path: str, base_names: Sequence[str], parent: str | None = None
+    ) -> LoRARequest:
         """Read and check the adapter at `path` (blocking: call it off the event loop) and
-        register it as `name` (its /v1/models parent: `parent`, else the base model);
+        register it as `name` (its /v1/models parent: `parent`, else the base model's first
+        name);
         APIError 400 naming the field otherwise."""
-        self.check_new(name, base_name)
+        self.check_new(name, base_names)
         try:
             spec = read_spec(path, self.max_rank)
         except AdapterError as e:
             raise APIError(400, str(e) if str(e).startswith("lora_path") else f"lora_path: {e}",
                            "lora_path") from None  # fmt: skip
-        self.check_new(name, base_name)  # loaded by another request meanwhile
-        lora = LoRARequest(name, next(self._ids), spec.path, parent or base_name)
+        self.check_new(name, base_names)  # loaded by another request meanwhile
+        lora = LoRARequest(name, next(self._ids), spec.path, parent or base_names[0])
         self.by_name[name] = lora
         return lora
 

@@ -93,12 +93,13 @@ class Serving:
     def __init__(
         self,
         engine: AsyncEngine | ReplicaSet,  # one engine, or replicas with the same surface
-        model_name: str,
+        model_names: str | list[str],  # the first is reported; requests may use any
         chat_template: str | None,
         max_prompt_chars: int | None = None,
     ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
+        self.model_name = self.model_names[0]
         self.chat_template = chat_template
         self.created = int(time.time())
         self._max_prompt_chars = max_prompt_chars
@@ -152,14 +153,15 @@ class Serving:
             raise APIError(503, "the engine is starting; retry when /health answers 200")
 
     def check_model(self, name: str | None, user: str | None = None) -> None:
-        """404 unless `name` is the model or a LoRA adapter (none or "": the model). The
+        """404 unless `name` is one of the model's names or a LoRA adapter (none or "": the
+        model). The
         adapter it names and the end `user` are this request's: the prompts `fit` builds next
         run with the adapter and name the user in the request log and trace."""
         self.check_ready()
         lora = self.loras.get(name)
         CURRENT_LORA.set(lora)
         CURRENT_USER.set(user)
-        if name and name != self.model_name and lora is None:
+        if name and name not in self.model_names and lora is None:
             raise APIError(
                 404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
             )

@@ -65,11 +65,11 @@ def build_serving(
         parsing = parsing_options(args)
     except (ValueError, OSError) as e:
         raise StartError(f"cannot start: {e}") from None
-    name = config.served_model_name or name
+    names = config.served_model_name or [name]
     loras = LoRAAdapters(config.enable_lora, config.max_lora_rank)
     for mod in config.lora_modules or []:  # read and checked before anything starts
         try:
-            loras.load(mod["name"], mod["path"], name, mod.get("base_model_name"))
+            loras.load(mod["name"], mod["path"], names, mod.get("base_model_name"))
         except APIError as e:
             raise StartError(f"cannot start: --lora-modules {mod['name']}: {e.message}") from None
     router = getattr(args, "router", "prefix")
@@ -84,7 +84,7 @@ def build_serving(
             raise StartError(f"cannot start the fleet: {e}") from None
     else:  # data_parallel_size of them
         engine = make_engine(config, args.log_level, load_tok, faults, router)
-    serving = Serving(engine, name, chat_template, getattr(args, "max_prompt_chars", None))
+    serving = Serving(engine, names, chat_template, getattr(args, "max_prompt_chars", None))
     serving.parsing = parsing
     serving.loras = loras
     serving.generation_defaults = gen_defaults
