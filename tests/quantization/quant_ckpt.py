@@ -259,3 +259,56 @@ def write_q4_gguf(hf_dir: str, out: str, q8: bool = False) -> str:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_k_gguf(out: str, seed: int = 0) -> str:
+    """A tiny Llama GGUF (hidden 256: K-quants need K a multiple of 256) whose projections are
+    random but valid K-quant super-blocks: attention and down Q4_K, gate/up Q5_K (gguf-py
+    has no K-quantizer; the dense load dequantizes the same bytes). Embedding and norms
+    float32; no tokenizer (token-id prompts)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    hidden, inter, heads, kv, layers, vocab = 256, 512, 4, 2, 2, 512
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(layers)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    q = gguf.GGMLQuantizationType
+
+    def k_quant(n: int, k: int, kind) -> np.ndarray:
+        size = {q.Q4_K: 144, q.Q5_K: 176}[kind]
+        raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+        scale = rng.uniform(5e-5, 4e-4, (n, k // 256, 2)).astype(np.float16)  # d, dmin
+        raw[..., :4] = scale.view(np.uint8).reshape(n, k // 256, 4)
+        return raw.reshape(n, -1)
+
+    hd = hidden // heads
+    shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv * hd, hidden),
+              "attn_v": (kv * hd, hidden), "attn_output": (hidden, heads * hd),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}  # fmt: skip
+    w.add_tensor("token_embd.weight", rng.normal(0, 0.5, (vocab, hidden)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", rng.normal(0, 0.05, (vocab, hidden)).astype(np.float32))
+    for b in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{b}.{norm}.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
+        for name, (n, k) in shapes.items():
+            kind = q.Q5_K if name in ("ffn_gate", "ffn_up") else q.Q4_K
+            w.add_tensor(f"blk.{b}.{name}.weight", k_quant(n, k, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -209,27 +209,39 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
 # minimum m), then the codes: Q4_0/Q4_1 16 bytes, element j the low nibble of byte j and
 # element j+16 the high one; Q8_0 32 signed bytes.
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights per block
+# K-quants whose sub-blocks are 32 weights: super-blocks of 256 with fp16 d and dmin, twelve
+# bytes of 6-bit scales sc and mins mn for the 8 sub-blocks (weight = d sc q - dmin mn), then
+# Q5_K's 32 bytes of fifth bits and the 128 bytes of low nibbles (sub-block 2j in the low
+# nibbles of bytes 32j..32j+31, 2j+1 in their high ones).
+_SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176}
 
 
 def iter_gguf_blocks(
     path: str, config: Any
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
-    """The Q4_0 / Q4_1 / Q8_0 tensors as they are stored: (HF name, unsigned codes uint8
-    [N, K], d float32 [N, K/32], m float32 [N, K/32]) with weight = code * d + m per block of
-    32 (Q4_0: m = -8 d; Q8_0: code = q + 128, m = -128 d), q/k rows un-permuted like
-    iter_gguf's. Other tensor types are skipped."""
+    """The Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K tensors as they are stored: (HF name, unsigned codes
+    uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32]) with weight = code * d + m per
+    block of 32 (Q4_0: m = -8 d; Q8_0: code = q + 128, m = -128 d; Q4_K / Q5_K: each
+    sub-block's d = d sc and m = -dmin mn, exact in float32, 5-bit codes for Q5_K), q/k rows
+    un-permuted like iter_gguf's. Other tensor types (Q6_K's sub-blocks of 16, ...) are
+    skipped."""
     reader = _reader(path)
     arch = _architecture(reader)
     permute = arch in PERMUTED_QK
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind not in _BLOCK_BYTES or len(t.shape) != 2:  # matrices only (norms: iter_gguf)
+        known = kind in _BLOCK_BYTES or kind in _SUPER_BYTES
+        if not known or len(t.shape) != 2:  # matrices only (norms: iter_gguf)
             continue
         name = hf_name(t.name, arch)
         if name is None or "*" in name:  # stacked experts stay dense
             continue
         k, n = (int(x) for x in t.shape)
+        if kind in _SUPER_BYTES:
+            codes, d, m = k_quant_blocks(np.asarray(t.data).reshape(n, k // 256, -1), kind)
+            yield name, *_unpermuted(name, permute, heads, codes.reshape(n, k), d, m)
+            continue
         blocks = np.asarray(t.data).reshape(n, k // 32, _BLOCK_BYTES[kind])
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         if kind == "Q8_0":
@@ -242,8 +254,34 @@ def iter_gguf_blocks(
                 m = -8.0 * d
             qs = blocks[..., -16:]
             codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
-        codes = codes.reshape(n, k)
-        proj = name.split(".")[-2]
-        if permute and proj in heads:
-            codes, d, m = (unpermute(a, heads[proj]) for a in (codes, d, m))
-        yield name, np.ascontiguousarray(codes), np.ascontiguousarray(d), np.ascontiguousarray(m)
+        yield name, *_unpermuted(name, permute, heads, codes.reshape(n, k), d, m)
+
+
+def _unpermuted(
+    name: str, permute: bool, heads: dict[str, int], *arrays: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """codes, d, m with q/k rows un-permuted where the file permuted them, contiguous."""
+    proj = name.split(".")[-2]
+    if permute and proj in heads:
+        arrays = tuple(unpermute(a, heads[proj]) for a in arrays)
+    return tuple(np.ascontiguousarray(a) for a in arrays)
+
+
+def k_quant_blocks(sb: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks [N, K/256, bytes] as (codes [N, K/256, 8, 32] uint8, d and m
+    [N, K/32] float32) with weight = code * d + m per sub-block of 32 (gguf-py's dequantize
+    arithmetic: d sc and dmin mn are exact float32 products)."""
+    n, nsb = sb.shape[:2]
+    d = sb[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = sb[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    lo, mid, hi = sb[..., 4:8], sb[..., 8:12], sb[..., 12:16]  # the 12 bytes of 6-bit pairs
+    sc = np.concatenate((lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), axis=-1)
+    qs = sb[..., -128:].reshape(n, nsb, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]
+    codes = (qs & 0x0F).reshape(n, nsb, 8, 32)
+    if kind == "Q5_K":  # sub-block i's fifth bits: bit i of the 32 qh bytes
+        qh = sb[..., 16:48].reshape(n, nsb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        codes = codes | ((qh & 1) << 4)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(n, nsb * 8)
+    low = (-(dmin[..., None] * mn.astype(np.float32))).reshape(n, nsb * 8)
+    return codes, scale, low
