@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged.server.tool_parsers.json_scan import WS, CallDraft, partial_suffix
+from paged.server.tool_parsers.json_scan import WS, CallDraft, Invalid, partial_suffix, skip_ws
 
 
 @dataclass
@@ -41,6 +41,57 @@ class ToolParser:
         """Non-streamed: (content or None, finished calls)."""
         p = self.parse(text, final=True)
         return p.content or None, p.calls
+
+
+class TaggedBlockParser(ToolParser):
+    """Calls in `START` ... `END` blocks, any number, text around them content (hermes,
+    qwen3_coder). Subclasses set the tags and scan one block's call (`scan_block`)."""
+
+    START = END = ""
+
+    def scan_block(self, body: str, final: bool) -> tuple[CallDraft, int | None]:
+        """The call at the start of `body` (after the start tag) and the index after it (None
+        while it is open); raises Invalid for a malformed one."""
+        raise NotImplementedError
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        try:
+            return self._parse(text, final)
+        except Invalid:
+            if final:
+                return Parsed(text)  # not a well-formed call: all of it is content
+        j = text.rfind(self.START)  # streaming: what was known before the first bad block
+        while j > 0:
+            try:
+                return self._parse(text[:j], False)
+            except Invalid:  # an earlier block is malformed too
+                j = text.rfind(self.START, 0, j)
+        return Parsed()
+
+    def _parse(self, text: str, final: bool) -> Parsed:
+        out = Parsed()
+        rest: str | None = text
+        while rest is not None:
+            content, body = split_tagged(rest, self.START, final)
+            if out.calls:  # whitespace right after a call separates; it is not content
+                content = content.lstrip(WS)
+                if content and out.content:  # text on both sides of calls: two paragraphs
+                    content = "\n\n" + content
+            out.content += content
+            if body is None:
+                break
+            draft, end = self.scan_block(body, final)
+            out.calls.append(draft)
+            if end is None:
+                break
+            j = skip_ws(body, end)
+            if body.startswith(self.END, j):
+                rest = body[j + len(self.END) :]
+            elif j == len(body) or (not final and self.END.startswith(body[j:])):
+                break  # an unclosed last block, or its end tag still arriving
+            else:
+                raise Invalid  # text after the call inside the block
+        return out
 
 
 def split_tagged(text: str, start: str, final: bool) -> tuple[str, str | None]:

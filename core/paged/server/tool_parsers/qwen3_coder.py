@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from paged.server.tool_parsers.base import Parsed, ToolParser, split_tagged
+from paged.server.tool_parsers.base import TaggedBlockParser
 from paged.server.tool_parsers.json_scan import WS, CallDraft, Invalid, skip_ws
 
 START, END = "<tool_call>", "</tool_call>"
@@ -31,49 +31,11 @@ PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 VALUE_ENDS = (PARAMETER_END, PARAMETER, FUNCTION_END, END)
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(TaggedBlockParser):
     name = "qwen3_coder"
+    START, END = START, END
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        try:
-            return self._parse(text, final)
-        except Invalid:
-            if final:
-                return Parsed(text)  # not a well-formed call: all of it is content
-        j = text.rfind(START)  # streaming: what was known before the malformed block
-        while j > 0:
-            try:
-                return self._parse(text[:j], False)
-            except Invalid:
-                j = text.rfind(START, 0, j)
-        return Parsed()
-
-    def _parse(self, text: str, final: bool) -> Parsed:
-        out = Parsed()
-        rest: str | None = text
-        while rest is not None:
-            content, body = split_tagged(rest, START, final)
-            if out.calls:  # whitespace right after a call separates; it is not content
-                content = content.lstrip(WS)
-                if content and out.content:  # text on both sides of calls: two paragraphs
-                    content = "\n\n" + content
-            out.content += content
-            if body is None:
-                break
-            draft, end = self._function(body, final)
-            out.calls.append(draft)
-            if end is None:
-                break
-            j = skip_ws(body, end)
-            if body.startswith(END, j):
-                rest = body[j + len(END) :]
-            elif j == len(body) or (not final and END.startswith(body[j:])):
-                break  # an unclosed last block, or its end tag still arriving
-            else:
-                raise Invalid  # text after the function inside the block
-        return out
-
-    def _function(self, s: str, final: bool) -> tuple[CallDraft, int | None]:
+    def scan_block(self, s: str, final: bool) -> tuple[CallDraft, int | None]:
         """The `<function=...>` block at the start of `s` (after whitespace) and the index
         after it (None while it is open; `final` and open raises Invalid)."""
         draft = CallDraft()
