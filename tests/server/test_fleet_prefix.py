@@ -99,6 +99,7 @@ def tiny(tmp_path_factory) -> str:
     return rel.make_tiny_model(tmp_path_factory.mktemp("prefix-tiny") / "tiny-llama")
 
 
+@pytest.mark.slow  # two servers in turn, 160 requests each: 25-35 s on two cores (CI runs it)
 def test_prefix_router_keeps_the_hit_rate_of_one_replica(tiny, tmp_path):
     prompts = workload()
     assert len(prompts) == REQUESTS
