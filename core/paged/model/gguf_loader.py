@@ -191,9 +191,7 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
         except NotImplementedError as e:
             raise ModelLoadError(f"GGUF tensor type {t.tensor_type.name} unsupported: {e}") from e
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        proj = name.split(".")[-2]
-        if permute and proj in heads:
-            w = unpermute(w, heads[proj])
+        (w,) = _unpermuted(name, permute, heads, w)
         if shift and name.endswith("norm.weight"):
             w = w - np.float32(shift)
         if "*" in name:  # stacked experts [E, ...]: one HF tensor each
@@ -238,29 +236,33 @@ def iter_gguf_blocks(
         if name is None or "*" in name:  # stacked experts stay dense
             continue
         k, n = (int(x) for x in t.shape)
+        raw = np.asarray(t.data)
         if kind in _SUPER_BYTES:
-            codes, d, m = k_quant_blocks(np.asarray(t.data).reshape(n, k // 256, -1), kind)
-            yield name, *_unpermuted(name, permute, heads, codes.reshape(n, k), d, m)
-            continue
-        blocks = np.asarray(t.data).reshape(n, k // 32, _BLOCK_BYTES[kind])
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if kind == "Q8_0":
-            codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            m = -128.0 * d
+            codes, d, m = k_quant_blocks(raw.reshape(n, k // 256, _SUPER_BYTES[kind]), kind)
         else:
-            if kind == "Q4_1":
-                m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            else:
-                m = -8.0 * d
-            qs = blocks[..., -16:]
-            codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+            codes, d, m = small_blocks(raw.reshape(n, k // 32, _BLOCK_BYTES[kind]), kind)
         yield name, *_unpermuted(name, permute, heads, codes.reshape(n, k), d, m)
+
+
+def small_blocks(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0 / Q4_1 / Q8_0 blocks [N, K/32, bytes] as (codes [N, K/32, 32] uint8, d and m
+    [N, K/32] float32) with weight = code * d + m."""
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return codes, d, -128.0 * d
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        m = -8.0 * d
+    qs = blocks[..., -16:]
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1), d, m
 
 
 def _unpermuted(
     name: str, permute: bool, heads: dict[str, int], *arrays: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-    """codes, d, m with q/k rows un-permuted where the file permuted them, contiguous."""
+    """The arrays with q/k rows un-permuted where the file permuted them, contiguous."""
     proj = name.split(".")[-2]
     if permute and proj in heads:
         arrays = tuple(unpermute(a, heads[proj]) for a in arrays)
