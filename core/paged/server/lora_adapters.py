@@ -51,8 +51,7 @@ class LoRAAdapters:
     ) -> LoRARequest:
         """Read and check the adapter at `path` (blocking: call it off the event loop) and
         register it as `name` (its /v1/models parent: `parent`, else the base model's first
-        name);
-        APIError 400 naming the field otherwise."""
+        name); APIError 400 naming the field otherwise."""
         self.check_new(name, base_names)
         try:
             spec = read_spec(path, self.max_rank)

@@ -99,7 +99,6 @@ class Serving:
     ) -> None:
         self.engine = engine
         self.model_names = [model_names] if isinstance(model_names, str) else list(model_names)
-        self.model_name = self.model_names[0]
         self.chat_template = chat_template
         self.created = int(time.time())
         self._max_prompt_chars = max_prompt_chars
@@ -137,6 +136,11 @@ class Serving:
         return enc.input_ids
 
     @property
+    def model_name(self) -> str:
+        """The name responses report: the first served name."""
+        return self.model_names[0]
+
+    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
@@ -154,9 +158,8 @@ class Serving:
 
     def check_model(self, name: str | None, user: str | None = None) -> None:
         """404 unless `name` is one of the model's names or a LoRA adapter (none or "": the
-        model). The
-        adapter it names and the end `user` are this request's: the prompts `fit` builds next
-        run with the adapter and name the user in the request log and trace."""
+        model). The adapter it names and the end `user` are this request's: the prompts `fit`
+        builds next run with the adapter and name the user in the request log and trace."""
         self.check_ready()
         lora = self.loras.get(name)
         CURRENT_LORA.set(lora)
