@@ -88,9 +88,8 @@ def main() -> None:
     print(f"{args.model} {args.dtype} quantization={args.quantization} kv={args.kv_cache_dtype} "
           f"batch {args.batch}, {steps} tokens: wall {wall * 1e3 / steps:.3f} ms a step, device "
           f"busy {busy / 1e3 / steps:.3f} ms (kernels' times summed {summed / 1e3 / steps:.3f}), "
-          f"idle "
-          f"{idle / 1e3 / steps:.3f} ms "
-          f"({len(dev) / steps:.0f} device events a step)")  # fmt: skip
+          f"idle {idle / 1e3 / steps:.3f} ms ({len(dev) / steps:.0f} device events a "
+          "step)")  # fmt: skip
     for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]:
         print(f"  {us / steps:8.1f} us  {calls / steps:6.1f} calls  {name}")
     if args.sync_debug:
