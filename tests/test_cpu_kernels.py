@@ -142,34 +142,41 @@ needs_vnni = pytest.mark.skipif(
 
 def block_reference(x, codes, d, m, bias=None):
     """llama.cpp's arithmetic in float64: x quantized per block of 32 to round(x / s), s =
-    max|x| / 127; weight = code * d + m per block."""
+    max|x| / 127; weight = code * d + m per group of K / d.shape[1] (32, or Q6_K's 16)."""
     rows, k = x.shape
     xb = x.double().view(rows, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     xq = (torch.round(xb.float() * inv.float()).double() * amax / 127).view(rows, k)
-    n = codes.shape[0]
-    w = codes.double().view(n, k // 32, 32) * d.double()[..., None] + m.double()[..., None]
+    n, groups = d.shape
+    w = codes.double().view(n, groups, -1) * d.double()[..., None] + m.double()[..., None]
     y = xq @ w.view(n, k).t()
     return y if bias is None else y + bias.double()
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_gguf_block_linear_is_llama_cpp_arithmetic(kind):
+@pytest.mark.parametrize("kind, group", [("Q4_1", 32), ("Q8_0", 32), ("Q6_K", 16), ("Q4_1", 16)])
+def test_gguf_block_linear_is_llama_cpp_arithmetic(kind, group):
     """Every row count (register tails of 1-3 rows, several row chunks) and an odd number of
-    column tiles; a bias; Q8_0's signed codes stored as code + 128 with m = -128 d."""
+    column tiles; a bias; Q8_0's signed codes stored as code + 128 with m = -128 d. Groups of
+    16 (two (d, m) pairs a block of 32): Q6_K's 6-bit codes with m = -32 d (8-bit layout),
+    and 4-bit codes with a d and m per 16 (the nibble layout's halves)."""
     torch.manual_seed(0)
     n, k = 48, 96
     if kind == "Q4_1":
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        d, m = torch.rand(n, k // 32) * 0.05, torch.randn(n, k // 32) * 0.05
+        d, m = torch.rand(n, k // group) * 0.05, torch.randn(n, k // group) * 0.05
+    elif kind == "Q6_K":
+        codes = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+        d = torch.randn(n, k // group) * 0.01  # d sc: either sign
+        m = -32 * d
     else:
         codes = torch.randint(1, 256, (n, k), dtype=torch.uint8)
-        d = torch.rand(n, k // 32) * 0.01
+        d = torch.rand(n, k // group) * 0.01
         m = -128 * d
     bias = torch.randn(n).bfloat16()
     layer = GgufBlockLinear(codes, d, m, bias)
+    assert layer.scales.shape[2] == 64 // group  # d and m of each group in a block of 32
     for rows in (1, 2, 3, 4, 5, 64, 67):
         x = torch.randn(rows, k).bfloat16()
         x[0, :32] = 0  # an all-zero block: scale 0
@@ -177,7 +184,7 @@ def test_gguf_block_linear_is_llama_cpp_arithmetic(kind):
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         ref = block_reference(x, codes, d, m, bias.float())
         torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=1e-2)
-        w = codes.float().view(n, k // 32, 32) * d[..., None] + m[..., None]
+        w = codes.float().view(n, k // group, group) * d[..., None] + m[..., None]
         dense = x.float() @ w.view(n, k).t() + bias.float()  # 8-bit inputs: close, not equal
         assert (got.float() - dense).abs().max() < 0.05 * dense.abs().max()
 

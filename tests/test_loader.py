@@ -158,7 +158,7 @@ def test_gguf_blocks_cache(default_src, default_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     fresh = {name: rest for name, *rest in iter_gguf_blocks(default_src.path, default_cfg)}
     built = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
-    assert len(list((tmp_path / "blocks2").iterdir())) == 1
+    assert len(list((tmp_path / "blocks3").iterdir())) == 1
     cached = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
     assert set(fresh) == set(built) == set(cached) and len(fresh) == 7 * 30 + 1
     for name, arrays in fresh.items():

@@ -263,7 +263,8 @@ def write_q4_gguf(hf_dir: str, out: str, q8: bool = False) -> str:
 
 def write_k_gguf(out: str, seed: int = 0) -> str:
     """A tiny Llama GGUF (hidden 256: K-quants need K a multiple of 256) whose projections are
-    random but valid K-quant super-blocks: attention and down Q4_K, gate/up Q5_K (gguf-py
+    random but valid K-quant super-blocks, mixed as in a Q4_K_M file: attention and down Q4_K,
+    gate/up Q5_K, but the last layer's attn_v and ffn_down and the output head Q6_K (gguf-py
     has no K-quantizer; the dense load dequantizes the same bytes). Embedding and norms
     float32; no tokenizer (token-id prompts)."""
     import gguf
@@ -287,10 +288,14 @@ def write_k_gguf(out: str, seed: int = 0) -> str:
     q = gguf.GGMLQuantizationType
 
     def k_quant(n: int, k: int, kind) -> np.ndarray:
-        size = {q.Q4_K: 144, q.Q5_K: 176}[kind]
+        size = {q.Q4_K: 144, q.Q5_K: 176, q.Q6_K: 210}[kind]
         raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
-        scale = rng.uniform(5e-5, 4e-4, (n, k // 256, 2)).astype(np.float16)  # d, dmin
-        raw[..., :4] = scale.view(np.uint8).reshape(n, k // 256, 4)
+        if kind == q.Q6_K:  # fp16 d last (the sc are random int8): weights' spread as Q4_K's
+            d = rng.uniform(2e-5, 8e-5, (n, k // 256, 1)).astype(np.float16)
+            raw[..., 208:] = d.view(np.uint8)
+        else:
+            scale = rng.uniform(5e-5, 4e-4, (n, k // 256, 2)).astype(np.float16)  # d, dmin
+            raw[..., :4] = scale.view(np.uint8).reshape(n, k // 256, 4)
         return raw.reshape(n, -1)
 
     hd = hidden // heads
@@ -300,12 +305,14 @@ def write_k_gguf(out: str, seed: int = 0) -> str:
               "ffn_down": (hidden, inter)}  # fmt: skip
     w.add_tensor("token_embd.weight", rng.normal(0, 0.5, (vocab, hidden)).astype(np.float32))
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("output.weight", rng.normal(0, 0.05, (vocab, hidden)).astype(np.float32))
+    w.add_tensor("output.weight", k_quant(vocab, hidden, q.Q6_K), raw_dtype=q.Q6_K)
     for b in range(layers):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{b}.{norm}.weight", rng.uniform(0.8, 1.2, hidden).astype(np.float32))
         for name, (n, k) in shapes.items():
             kind = q.Q5_K if name in ("ffn_gate", "ffn_up") else q.Q4_K
+            if b == layers - 1 and name in ("attn_v", "ffn_down"):
+                kind = q.Q6_K
             w.add_tensor(f"blk.{b}.{name}.weight", k_quant(n, k, kind), raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -212,16 +212,20 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights per block
 # Q5_K's 32 bytes of fifth bits and the 128 bytes of low nibbles (sub-block 2j in the low
 # nibbles of bytes 32j..32j+31, 2j+1 in their high ones).
 _SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176}
+# Q6_K: super-blocks of 256 with sixteen sub-blocks of 16: 128 bytes of low nibbles ql, 64 of
+# high bit pairs qh, 16 int8 scales sc, fp16 d; weight = d sc (q - 32), q unsigned 6-bit.
+_Q6_K_BYTES = 210
 
 
 def iter_gguf_blocks(
     path: str, config: Any
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray, np.ndarray]]:
-    """The Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K tensors as they are stored: (HF name, unsigned codes
-    uint8 [N, K], d float32 [N, K/32], m float32 [N, K/32]) with weight = code * d + m per
-    block of 32 (Q4_0: m = -8 d; Q8_0: code = q + 128, m = -128 d; Q4_K / Q5_K: each
-    sub-block's d = d sc and m = -dmin mn, exact in float32, 5-bit codes for Q5_K), q/k rows
-    un-permuted like iter_gguf's. Other tensor types (Q6_K's sub-blocks of 16, ...) are
+    """The Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors as they are stored: (HF name,
+    unsigned codes uint8 [N, K], d float32 [N, G], m float32 [N, G]) with weight = code * d + m
+    per group of K / G columns: blocks of 32 (Q4_0: m = -8 d; Q8_0: code = q + 128,
+    m = -128 d; Q4_K / Q5_K: each sub-block's d = d sc and m = -dmin mn, exact in float32,
+    5-bit codes for Q5_K), Q6_K's sub-blocks of 16 (d = d sc, exact; 6-bit codes, m = -32 d);
+    q/k rows un-permuted like iter_gguf's. Other tensor types (Q3_K, Q2_K, ...) are
     skipped."""
     reader = _reader(path)
     arch = _architecture(reader)
@@ -229,7 +233,7 @@ def iter_gguf_blocks(
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        known = kind in _BLOCK_BYTES or kind in _SUPER_BYTES
+        known = kind in _BLOCK_BYTES or kind in _SUPER_BYTES or kind == "Q6_K"
         if not known or len(t.shape) != 2:  # matrices only (norms: iter_gguf)
             continue
         name = hf_name(t.name, arch)
@@ -237,7 +241,9 @@ def iter_gguf_blocks(
             continue
         k, n = (int(x) for x in t.shape)
         raw = np.asarray(t.data)
-        if kind in _SUPER_BYTES:
+        if kind == "Q6_K":
+            codes, d, m = q6_k_blocks(raw.reshape(n, k // 256, _Q6_K_BYTES))
+        elif kind in _SUPER_BYTES:
             codes, d, m = k_quant_blocks(raw.reshape(n, k // 256, _SUPER_BYTES[kind]), kind)
         else:
             codes, d, m = small_blocks(raw.reshape(n, k // 32, _BLOCK_BYTES[kind]), kind)
@@ -287,3 +293,19 @@ def k_quant_blocks(sb: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
     scale = (d[..., None] * sc.astype(np.float32)).reshape(n, nsb * 8)
     low = (-(dmin[..., None] * mn.astype(np.float32))).reshape(n, nsb * 8)
     return codes, scale, low
+
+
+def q6_k_blocks(sb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [N, K/256, 210] as (codes [N, K/256, 256] uint8 in 0..63, d and m
+    [N, K/16] float32) with weight = code * d + m = (code - 32) * d per sub-block of 16
+    (gguf-py's dequantize arithmetic: d sc an exact float32 product, m = -32 d). Each half of
+    128 weights: weight j's low nibble in byte j % 64 of its 64 ql bytes (high nibbles from
+    64), its two high bits at bit 2 (j // 32) of byte j % 32 of its 32 qh bytes."""
+    n, nsb = sb.shape[:2]
+    ql = sb[..., :128].reshape(n, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = sb[..., 128:192].reshape(n, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    codes = (ql & 0x0F).reshape(n, nsb, 256) | ((qh & 0x03) << 4).reshape(n, nsb, 256)
+    sc = sb[..., 192:208].view(np.int8).astype(np.float32)
+    d = sb[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = (d[..., None] * sc).reshape(n, nsb * 16)
+    return codes, scale, np.float32(-32.0) * scale

@@ -4,7 +4,7 @@ A model is a local directory (config.json + *.safetensors), a .gguf file or a Hu
 id (hub.py: the cache first, a download when online). GGUF metadata is slow to parse, so the
 tokenizer, config, dequantized weights and stored blocks (for platforms that compute on them)
 read from a GGUF file are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in
-tokenizers/<key>, configs/<key>, weights/<key> and blocks2/<key>, keyed by the file's name, size
+tokenizers/<key>, configs/<key>, weights/<key> and blocks3/<key>, keyed by the file's name, size
 and mtime.
 """
 
@@ -242,9 +242,9 @@ def iter_weights(
 def iter_weight_blocks(
     src: ModelSource, config: PretrainedConfig
 ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K tensors as their stored blocks, (HF name, codes, d,
-    m) as in gguf_loader.iter_gguf_blocks, cached like the dequantized weights (the file's
-    metadata parse takes seconds)."""
+    """A GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as their stored blocks, (HF name, codes,
+    d, m) as in gguf_loader.iter_gguf_blocks (groups of K / d.shape[1]: 32, Q6_K's 16), cached
+    like the dequantized weights (the file's metadata parse takes seconds)."""
     from paged.model.gguf_loader import iter_gguf_blocks
     from paged.model.hf_loader import iter_safetensors
 
@@ -258,7 +258,7 @@ def iter_weight_blocks(
         return tensors
 
     obj = _cached(
-        "blocks2",  # 2: with the K-quants (entries of "blocks" lack them)
+        "blocks3",  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
         src.path,
         load=lambda d: _Tensors(iter_safetensors(d, progress=False)),
         build=build,

@@ -1,12 +1,12 @@
-"""A GGUF's block tensors kept quantized on the device: Q4_0 / Q4_1 / Q8_0 blocks of 32 as the
-int4 layout of the AWQ/GPTQ kernels (codes in int32 words, a scale, zero and maybe min per
-block: Q4_0 is (code - 8) * d, Q4_1 code * d + m, Q8_0 (code - 128) * d with code = q + 128:
-the file's own arithmetic), computed by `int4_linear`, or `int8_linear` for 8-bit codes (the
-same kernels).
+"""A GGUF's block tensors kept quantized on the device: Q4_0 / Q4_1 / Q8_0 blocks of 32 (and
+Q4_K / Q5_K sub-blocks of 32, Q6_K ones of 16) as the int4 layout of the AWQ/GPTQ kernels
+(codes in int32 words, a scale, zero and maybe min per group: Q4_0 is (code - 8) * d, Q4_1
+code * d + m, Q8_0 (code - 128) * d with code = q + 128, Q6_K (code - 32) * d: the file's own
+arithmetic), computed by `int4_linear`, or `int8_linear` for 8-bit codes (the same kernels).
 
 The engine loads a GGUF's weights dequantized; a platform calls `use_gguf_blocks` from
-`prepare_model` to put these layers in place of the dense ones (the cuda plugin does). K-quant
-and other types stay dense."""
+`prepare_model` to put these layers in place of the dense ones (the cuda plugin does). Other
+types (Q3_K, Q2_K, ...) stay dense."""
 
 from __future__ import annotations
 
@@ -25,27 +25,29 @@ BLOCK = 32
 
 
 class GgufIntMethod(QuantMethod):
-    """A GGUF's blocks of 32 as `bits`-bit codes (4: Q4_0 / Q4_1; 8: Q8_0, or pieces of both
-    stacked in one layer), with a float32 min per block where the file has one (Q4_1)."""
+    """A GGUF's blocks of `group` weights (32; 16: Q6_K, or a stack with a Q6_K piece) as
+    `bits`-bit codes (4: Q4_0 / Q4_1 / Q4_K; 8: Q8_0 / Q5_K / Q6_K, or pieces of several
+    stacked in one layer), with a float32 min per block where the file has one (Q4_1, Q4_K,
+    Q5_K)."""
 
     suffixes = frozenset()  # built from the file's blocks, not the weight loader
 
-    def __init__(self, bits: int = 4, with_mins: bool = True) -> None:
-        self.bits, self.with_mins = bits, with_mins
+    def __init__(self, bits: int = 4, with_mins: bool = True, group: int = BLOCK) -> None:
+        self.bits, self.with_mins, self.group = bits, with_mins, group
         self.name = f"gguf-int{bits}"
 
     def create_weights(self, layer: QuantLinear) -> None:
-        n, k = layer.out_features, layer.in_features
-        layer.group_k = BLOCK
+        n, k, g = layer.out_features, layer.in_features, self.group
+        layer.group_k = g
         layer.add("codes", (n, k * self.bits // 32), torch.int32)
-        layer.add("scales", (n, k // BLOCK), torch.float32)
-        layer.add("zeros", (n, k // BLOCK), torch.uint8)
+        layer.add("scales", (n, k // g), torch.float32)
+        layer.add("zeros", (n, k // g), torch.uint8)
         if self.with_mins:
-            layer.add("mins", (n, k // BLOCK), torch.float32)
+            layer.add("mins", (n, k // g), torch.float32)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return ops.get(f"int{self.bits}_linear")(x, layer.codes, layer.scales, layer.zeros,
-                                                 BLOCK, layer.bias,
+                                                 layer.group_k, layer.bias,
                                                  getattr(layer, "mins", None))  # fmt: skip
 
 
@@ -53,15 +55,19 @@ def block_layer(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None
 ) -> QuantLinear | None:
     """The layer of one (maybe stacked) GGUF tensor in iter_gguf_blocks' form (weight =
-    code * d + m, unsigned codes), on d's device: 4-bit codes where every code fits, else
-    8-bit. Where every block's m is -8 d (Q4_0) or -128 d (Q8_0) the layer keeps the file's
-    (code - zero) * d and no mins; otherwise code * d + m. None if K is not whole blocks."""
+    code * d + m per group of K / d.shape[1] columns, unsigned codes), on d's device: 4-bit
+    codes where every code fits, else 8-bit. Where every group's m is -8 d (Q4_0), -128 d
+    (Q8_0) or -32 d (Q6_K) the layer keeps the file's (code - zero) * d and no mins;
+    otherwise code * d + m. None if the groups are not a power of 2 of at least 16 columns
+    (the kernels' groups) that tile K."""
     n, k = codes.shape
-    if k % BLOCK:
+    group = k // d.shape[1]
+    if group < 16 or group & (group - 1) or group * d.shape[1] != k:
         return None
     bits = 4 if int(codes.max()) <= 15 else 8
-    zero = next((z for z in (8, 128) if torch.equal(m, -float(z) * d)), 0)
-    layer = QuantLinear(k, n, bias is not None, GgufIntMethod(bits, with_mins=zero == 0))
+    zero = next((z for z in (8, 128, 32) if torch.equal(m, -float(z) * d)), 0)
+    method = GgufIntMethod(bits, with_mins=zero == 0, group=group)
+    layer = QuantLinear(k, n, bias is not None, method)
     with torch.no_grad():
         layer.to(d.device)
         layer.codes.copy_(pack_int4(codes, bits))
@@ -83,8 +89,10 @@ def gguf_linear_blocks(
 ) -> Iterator[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(module path, module, codes, d, m) for each module of `model` that `want`s them and
     whose pieces are all block tensors of the GGUF model `source` (iter_weight_blocks' form:
-    weight = code * d + m), stacked q/k/v and gate/up rows concatenated in stacking order.
-    `tied_head`: the embedding's blocks are the output head's too."""
+    weight = code * d + m per group of K / d.shape[1] columns), stacked q/k/v and gate/up rows
+    concatenated in stacking order; pieces of wider groups (32 beside Q6_K's 16) have their
+    d and m repeated to the narrowest group (the same weights). `tied_head`: the embedding's
+    blocks are the output head's too."""
     from paged.model.loader import iter_weight_blocks
 
     quant = {}
@@ -108,8 +116,17 @@ def gguf_linear_blocks(
         if not want(mod):
             continue
         hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
-        codes, d, m = (torch.cat([quant[h][i] for h in hfs]) for i in range(3))
+        groups = max(quant[h][1].shape[1] for h in hfs)  # the narrowest group's count
+        codes = torch.cat([quant[h][0] for h in hfs])
+        d, m = (torch.cat([_widened(quant[h][i], groups) for h in hfs]) for i in (1, 2))
         yield target, mod, codes, d, m
+
+
+def _widened(values: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per-group values [N, G] repeated to [N, groups] (G divides groups): each group's
+    value over the narrower groups it spans."""
+    reps = groups // values.shape[1]
+    return values if reps == 1 else values.repeat_interleave(reps, dim=1)
 
 
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
@@ -118,9 +135,9 @@ def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
-    """Replace each dense linear layer of `model` whose every piece is a Q4_0 / Q4_1 / Q8_0
-    tensor of the GGUF model `source` by a layer of its blocks (stacked q/k/v and gate/up rows
-    concatenated). Returns how many were replaced."""
+    """Replace each dense linear layer of `model` whose every piece is a Q4_0 / Q4_1 / Q8_0 /
+    Q4_K / Q5_K / Q6_K tensor of the GGUF model `source` by a layer of its blocks (stacked
+    q/k/v and gate/up rows concatenated). Returns how many were replaced."""
     dev = next(model.parameters()).device
     count = {4: 0, 8: 0}
     # not the tied head, nor a layer already quantized

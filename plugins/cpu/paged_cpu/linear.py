@@ -73,7 +73,7 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     return len(swaps)
 
 
-# ---- GGUF block weights (Q4_0 / Q4_1 / Q8_0) with 8-bit activations ---------------------
+# ---- GGUF block weights (Q4_0 / Q4_1 / Q8_0 / K-quants) with 8-bit activations ---------
 def gguf_blocks_available() -> bool:
     from paged_cpu.native import kernels
 
@@ -82,25 +82,26 @@ def gguf_blocks_available() -> bool:
 
 
 class GgufBlocksMethod(QuantMethod):
-    """The quantized-linear method of a GGUF's Q4_0/Q4_1/Q8_0 blocks on the CPU: each block of
-    32 weights is code * d + m, each block of 32 inputs is quantized to int8 with its own
-    scale, and the block's dot product is exact integer arithmetic (AVX-512 VNNI), as
-    llama.cpp computes it. The tensors come from the file at `prepare_model`, not from the
-    safetensors loader (no `convert`)."""
+    """The quantized-linear method of a GGUF's Q4_0/Q4_1/Q8_0/K-quant blocks on the CPU: each
+    block of 32 weights is code * d + m (Q6_K: each half of 16 its own d and m), each block of
+    32 inputs is quantized to int8 with its own scale, and the block's dot products are exact
+    integer arithmetic (AVX-512 VNNI), as llama.cpp computes them. The tensors come from the
+    file at `prepare_model`, not from the safetensors loader (no `convert`)."""
 
     name = "gguf-blocks"
     from_checkpoint = True
 
-    def __init__(self, groups: int, scales_dtype: torch.dtype) -> None:
+    def __init__(self, groups: int, scales_dtype: torch.dtype, pairs: int = 1) -> None:
         from paged_cpu.native import kernels
 
         self.native = kernels()
-        self.groups, self.scales_dtype = groups, scales_dtype  # pack_blocks' choices
+        # pack_blocks' choices: code bytes, scales' dtype, (d, m) pairs a block (2: halves)
+        self.groups, self.scales_dtype, self.pairs = groups, scales_dtype, pairs
 
     def create_weights(self, layer: QuantLinear) -> None:
         n, k = layer.out_features, layer.in_features
         layer.add("codes", (n // 16, k // 32, self.groups, 16, 4), torch.uint8)
-        layer.add("scales", (n // 16, k // 32, 2, 16), self.scales_dtype)
+        layer.add("scales", (n // 16, k // 32, 2 * self.pairs, 16), self.scales_dtype)
 
     def apply(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -119,7 +120,8 @@ class GgufBlockLinear(QuantLinear):
     ) -> None:
         n, k = codes.shape
         packed, scales = pack_blocks(codes, d, m)
-        super().__init__(k, n, bias is not None, GgufBlocksMethod(packed.shape[2], scales.dtype))
+        method = GgufBlocksMethod(packed.shape[2], scales.dtype, scales.shape[2] // 2)
+        super().__init__(k, n, bias is not None, method)
         with torch.no_grad():
             self.codes.copy_(packed)
             self.scales.copy_(scales)
@@ -130,16 +132,21 @@ class GgufBlockLinear(QuantLinear):
 def pack_blocks(
     codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] uint8 codes, [N, K/32] d and m -> the kernel's layout: codes [N/16, K/32, 8, 16,
-    4] (one 64-byte load = 4 consecutive k of 16 output columns), or [N/16, K/32, 4, 16, 4]
-    when every code fits 4 bits (group g in the low nibble, g + 4 in the high one: half the
-    bytes to read per step); scales [N/16, K/32, 2, 16], float16 when that holds d and m
-    exactly (a GGUF's scales are float16), else float32."""
+    """[N, K] uint8 codes, [N, K/32] or [N, K/16] d and m -> the kernel's layout: codes
+    [N/16, K/32, 8, 16, 4] (one 64-byte load = 4 consecutive k of 16 output columns), or
+    [N/16, K/32, 4, 16, 4] when every code fits 4 bits (group g in the low nibble, g + 4 in
+    the high one: half the bytes to read per step); scales [N/16, K/32, 2, 16] (d, m), or for
+    groups of 16 [N/16, K/32, 4, 16] (d of each half, then m of each), float16 when that holds
+    d and m exactly (a GGUF's scales are float16), else float32."""
     n, k = codes.shape
+    pairs = d.shape[1] * 32 // k  # (d, m) pairs a block of 32
+    if pairs not in (1, 2) or d.shape[1] * 32 != pairs * k:
+        raise ValueError(f"GGUF blocks: {d.shape[1]} groups of a row of {k} (want K/32, K/16)")
     packed = codes.view(n // 16, 16, k // 32, 8, 4).permute(0, 2, 3, 1, 4)
     if int(codes.max()) < 16:
         packed = packed[:, :, :4] | (packed[:, :, 4:] << 4)
-    dm = torch.stack((d, m), 1).view(n // 16, 16, 2, k // 32).permute(0, 3, 2, 1).float()
+    dm = torch.stack((d, m), 1).view(n // 16, 16, 2, k // 32, pairs)
+    dm = dm.permute(0, 3, 2, 4, 1).reshape(n // 16, k // 32, 2 * pairs, 16).float()
     half = dm.half()
     if torch.equal(half.float(), dm):
         dm = half
@@ -147,10 +154,10 @@ def pack_blocks(
 
 
 def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
-    """Give each bf16 linear layer whose every piece is a Q4_0/Q4_1/Q8_0 tensor of the GGUF
-    model `source` those blocks (stacked q/k/v and gate/up rows concatenated; a tied output
-    head its embedding's). Returns how many layers were replaced (none without the C++
-    kernels or their CPU features)."""
+    """Give each bf16 linear layer whose every piece is a Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensor
+    of the GGUF model `source` those blocks (stacked q/k/v and gate/up rows concatenated, Q6_K
+    beside others in groups of 16; a tied output head its embedding's). Returns how many
+    layers were replaced (none without the C++ kernels or their CPU features)."""
     from paged.model.llama import TiedHead
     from paged.quantization.gguf import gguf_linear_blocks, replace_module
 

@@ -49,8 +49,8 @@ class CpuPlatform(Platform):
         ),
         PlatformOption(
             "cpu_gguf_blocks",
-            "a bf16 GGUF model's Q4_0/Q4_1/Q8_0 linears computed from the file's blocks with "
-            "8-bit activations (AVX-512 VNNI); off: dense bf16",
+            "a bf16 GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears computed from the "
+            "file's blocks with 8-bit activations (AVX-512 VNNI); off: dense bf16",
             True,
             env="PAGED_CPU_GGUF_BLOCKS",
         ),

@@ -19,8 +19,8 @@ class CudaPlatform(AcceleratorPlatform):
     options = (
         PlatformOption(
             "cuda_gguf_blocks",
-            "a GGUF model's Q4_0/Q4_1/Q8_0 linears kept as 4-/8-bit blocks on the GPU (the "
-            "int4 Triton kernels); off: dense weights in the model dtype",
+            "a GGUF model's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K linears kept as 4-/8-bit blocks on "
+            "the GPU (the int4 Triton kernels); off: dense weights in the model dtype",
             True,
         ),
         PlatformOption(
