@@ -104,6 +104,12 @@ def test_validation_errors_are_400_with_param(app_client):
     assert _error(r, 400)["param"] == "body"
     r = c.post("/v1/completions", json={"prompt": "x", "whatever": 1})  # never silently ignored
     assert _error(r, 400)["param"] == "whatever"
+    for key in ("some-field", "a.b", "0", "x y", "top_k "):  # named whatever the name
+        r = c.post("/v1/completions", json={"prompt": "x", key: 1})
+        assert _error(r, 400)["param"] == key
+    bad = {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text",
+                                                                               "x-y": 1}}
+    assert _error(c.post("/v1/chat/completions", json=bad), 400)["param"] == "response_format.x-y"
     assert c.post("/v1/completions", json={"prompt": "x", "user": "u"}).status_code == 200
 
 

@@ -72,15 +72,22 @@ def bad_request(e: ValueError) -> APIError:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
 
 
-def _loc(loc: tuple) -> str:
-    """('body', 'messages', 0, 'role') -> 'messages[0].role', without pydantic's union tags."""
+def _loc(loc: tuple, key: bool = False) -> str:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role', without pydantic's union tags.
+    `key`: the last part is a key the client sent (an unknown field), kept whatever its name."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part != "body" and str(part).isidentifier() and part not in _TYPE_TAGS:
+        elif key and i == len(loc) - 1 or (
+            part != "body" and str(part).isidentifier() and part not in _TYPE_TAGS
+        ):
             out += ("." if out else "") + str(part)
     return out or "body"
+
+
+def _where(err: dict) -> str:
+    return _loc(tuple(err.get("loc", ())), key=err.get("type") == "extra_forbidden")
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -94,10 +101,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     kinds = [str(e.get("type", "")) for e in errs]
     mismatch = [k.endswith(("_type", "_parsing")) for k in kinds]
     first = errs[mismatch.index(False)] if False in mismatch else errs[0]
-    param = _loc(tuple(first.get("loc", ())))
+    param = _where(first)
     msgs: list[str] = []
     for e in [first] if False in mismatch else errs:
-        if _loc(tuple(e.get("loc", ()))) != param:
+        if _where(e) != param:
             continue
         msg = "field required" if e.get("type") == "missing" else str(e.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
