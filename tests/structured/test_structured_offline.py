@@ -135,6 +135,8 @@ def test_invalid_specs_name_the_field(llm):
         llm.generate([PROMPT], so(regex="a(b"), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs\.json: invalid JSON schema"):
         llm.generate([PROMPT], so(json={"type": "bogus"}), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: at the root: 'multipleOf'"):
+        llm.generate([PROMPT], so(json={"type": "number", "multipleOf": 0.1}), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs\.grammar: invalid EBNF"):
         llm.generate([PROMPT], so(grammar="root ::= "), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs: exactly one of"):

@@ -176,6 +176,10 @@ BAD = [
     ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "guided_json"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),  # not enforced
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}}},
+     "response_format.json_schema.schema"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from paged.sampling.params import SamplingParams, StructuredOutputsParams
+from paged.sampling.schema_limits import unenforced
 
 if TYPE_CHECKING:
     from paged.scheduled import TokenBitmask
@@ -82,6 +83,16 @@ def check_spec(sp: StructuredOutputsParams, field: str) -> None:
         what = {"json": "invalid JSON schema", "regex": "invalid regex",
                 "grammar": "invalid EBNF grammar", "choice": "invalid choices"}[kind]  # fmt: skip
         raise ValueError(f"{field}: {what}: {_clean(e)}") from None
+    if kind == "json" and (found := _unenforced(text)) is not None:
+        where, what = found
+        raise ValueError(f"{field}: at {where or 'the root'}: {what}: the structured-outputs "
+                         "backend (xgrammar) cannot enforce it; remove it")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _unenforced(text: str) -> tuple[str, str] | None:
+    """The first keyword of a (valid) JSON schema xgrammar would ignore: (where, what)."""
+    return next(unenforced(json.loads(text)), None)
 
 
 @functools.lru_cache(maxsize=512)
