@@ -115,8 +115,9 @@ def test_models_lists_adapters(http):
 
 def test_model_field_selects_adapter(http, hf_models, hf_greedy):
     for name in ("alpha", None):
-        got = token_ids(complete(http, name or "base", PROMPTS[name]))
-        assert got == hf_greedy(hf_models[name], PROMPTS[name], N), name
+        r = complete(http, name or "base", PROMPTS[name])
+        assert r.json()["model"] == (name or "base")  # the adapter's name, as vLLM
+        assert token_ids(r) == hf_greedy(hf_models[name], PROMPTS[name], N), name
 
 
 def test_unknown_model_is_404(http):

@@ -276,7 +276,8 @@ def test_a_request_without_tokens_is_retried_on_another_replica_one_with_is_not(
         return [u async for u in rs.generate(rid, [1, 2], Params())]
 
     async def run():
-        from paged.engine.async_engine import EngineDeadError
+        from paged.engine.async_engine import ReplicaLostError
+        from paged.server.serving import api_error
 
         dying, healthy = Restartable(tokens=0, dies=True), Restartable()
         rs = ReplicaSet([Replica(0, dying), Replica(1, healthy)], False, "round-robin")
@@ -287,9 +288,11 @@ def test_a_request_without_tokens_is_retried_on_another_replica_one_with_is_not(
         midway = Restartable(tokens=2, dies=True)
         rs = ReplicaSet([Replica(0, midway), Replica(1, Restartable())], False, "round-robin")
         assert await rs.wait_ready()
-        with pytest.raises(EngineDeadError):  # tokens were out: the stream ends in an error
-            await collect(rs, "b")
-        assert rs.retried == 0
+        with pytest.raises(ReplicaLostError) as e:  # tokens were out: the stream ends in an
+            await collect(rs, "b")  # error that says the replica, not the server, stopped
+        assert rs.retried == 0 and rs.dead is None
+        err = api_error(e.value)
+        assert err.status == 503 and "replica 0" in str(err) and "exiting" not in str(err)
 
     asyncio.run(run())
 

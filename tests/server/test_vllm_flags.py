@@ -281,11 +281,14 @@ def test_tls_only(tls_server):
         httpx.get(srv.url + "/health", timeout=10)
 
 
-def test_every_served_name_answers_and_the_first_is_reported(tls_server):
+def test_every_served_name_answers_and_is_reported(tls_server):
+    """As vLLM: a response reports the name its request used, the first when it names none."""
     _, client, _ = tls_server
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny-qwen", "tiny-alias"]
     body = {"model": "tiny-alias", "prompt": "hi", "max_tokens": 2}
     r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["model"] == "tiny-alias"
+    r = client.post("/v1/completions", json={**body, "model": None})
     assert r.status_code == 200 and r.json()["model"] == "tiny-qwen"
     r = client.post("/v1/completions", json={**body, "model": "tiny"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"

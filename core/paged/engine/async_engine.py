@@ -48,6 +48,10 @@ class EngineDeadError(RuntimeError):
     """The engine core process is gone."""
 
 
+class ReplicaLostError(EngineDeadError):
+    """The replica running a request is gone (mid-stream); the others still serve."""
+
+
 class EngineStepError(RuntimeError):
     """An engine step failed for this request; the engine itself still serves."""
 

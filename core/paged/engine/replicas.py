@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paged.config import EngineConfig
-from paged.engine.async_engine import AsyncEngine, EngineDeadError, SeqUpdate
+from paged.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaLostError, SeqUpdate
 from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes
 from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
@@ -582,7 +582,9 @@ class ReplicaSet:
                         produced = True
                         yield u
                     return
-                except EngineDeadError:
+                except EngineDeadError as e:
+                    if self.dead is None and not self._closing and produced:
+                        raise ReplicaLostError(f"replica {replica.index}: {e}") from e
                     if produced or self._closing or attempts > len(self.replicas):
                         raise
                 finally:

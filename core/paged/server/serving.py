@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.responses import StreamingResponse
 
-from paged.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, SeqUpdate
+from paged.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    ReplicaLostError,
+    SeqUpdate,
+)
 from paged.engine.generation_config import apply_defaults
 from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
@@ -32,6 +38,8 @@ log = logging.getLogger("paged.server")
 # The end user the current request named (OpenAI's `user`, Anthropic's metadata.user_id): set
 # by Serving.check_model, read by Serving.fit into the request's Prompt (as the LoRA adapter).
 CURRENT_USER: ContextVar[str | None] = ContextVar("paged_user", default=None)
+# The model name the current request used (a served name or an adapter): what it reports
+CURRENT_MODEL: ContextVar[str | None] = ContextVar("paged_model", default=None)
 T = TypeVar("T")
 CHARS_PER_TOKEN = 32  # default prompt-size bound: far above any tokenizer's real ratio
 
@@ -71,6 +79,8 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, ValueError):
         return bad_request(e)
+    if isinstance(e, ReplicaLostError):  # the set restarts it; the others serve meanwhile
+        return APIError(503, f"the replica running this request stopped ({e}); retry it")
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running ({e}); the server is exiting")
     if isinstance(e, EngineStepError):
@@ -93,7 +103,7 @@ class Serving:
     def __init__(
         self,
         engine: AsyncEngine | ReplicaSet,  # one engine, or replicas with the same surface
-        model_names: str | list[str],  # the first is reported; requests may use any
+        model_names: str | list[str],  # requests may use any; the first when they name none
         chat_template: str | None,
         max_prompt_chars: int | None = None,
     ) -> None:
@@ -137,8 +147,9 @@ class Serving:
 
     @property
     def model_name(self) -> str:
-        """The name responses report: the first served name."""
-        return self.model_names[0]
+        """The name responses report: the one the current request used, a served name or a
+        LoRA adapter (as vLLM), else the first served name."""
+        return CURRENT_MODEL.get() or self.model_names[0]
 
     @property
     def tokenizer(self) -> Any:
@@ -168,6 +179,7 @@ class Serving:
             raise APIError(
                 404, f"model: the model {name[:100]!r} does not exist", "model", "model_not_found"
             )
+        CURRENT_MODEL.set(name or None)
 
     def check_ids(self, ids: list[int], field: str) -> None:
         vocab = self.engine.info["vocab_size"]
