@@ -430,7 +430,8 @@ class AsyncEngine:
         n = params.num_sequences  # the core runs them as one prompt and n forked sequences
         cids = sequence_ids(request_id, n)
         cparams = [sample_params(params, i) for i in range(n)]
-        states = [OutputState(i, self.tokenizer, prompt_ids, p) for i, p in enumerate(cparams)]
+        eos = (self.info or {}).get("eos_token_ids", ())
+        states = [OutputState(i, self.tokenizer, prompt_ids, p, eos) for i, p in enumerate(cparams)]
         for i, cid in enumerate(cids):
             self._seqs[cid] = (q, i)
         self._children[request_id] = cids

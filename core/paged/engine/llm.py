@@ -276,7 +276,8 @@ class LLM:
                 lora = loras[k] if loras else None
                 self.engine.add_request(rid, ids, p, lora)  # n sequences, one prompt computed
                 for i, cid in enumerate(sequence_ids(rid, p.num_sequences)):
-                    st = OutputState(i, self.tokenizer, ids, sample_params(p, i))
+                    st = OutputState(i, self.tokenizer, ids, sample_params(p, i),
+                                     self.engine.eos_token_ids)  # fmt: skip
                     results[rid].outputs.append(st.out)
                     states[cid] = (rid, st)
                     seqs[cid] = self.engine.requests[cid]

@@ -58,9 +58,20 @@ class RequestOutput:
 
 
 class OutputState:
-    """Detokenizes one sequence, applies stop strings; says when the engine must abort it."""
+    """Detokenizes one sequence, applies stop strings; says when the engine must abort it.
 
-    def __init__(self, index: int, tokenizer, prompt_ids: list[int], params: SamplingParams):
+    As vLLM: stop strings end nothing before `min_tokens` tokens, and the token that ended the
+    sequence (an EOS of `eos_token_ids`, or one of the request's stop_token_ids) stays in
+    token_ids but not in the text unless include_stop_str_in_output."""
+
+    def __init__(
+        self,
+        index: int,
+        tokenizer,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+    ):
         self.out = CompletionOutput(index, "", [])
         self.detok = (
             IncrementalDetokenizer(
@@ -73,6 +84,10 @@ class OutputState:
             else None
         )
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
+        # tokens whose text a sequence they end leaves out
+        self.stop_ids = set() if params.include_stop_str_in_output else {
+            *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}  # fmt: skip
         self.emitted = 0  # characters already streamed
         self.finished = False
         self.ranks: list[int] = []  # with logprobs: each token's rank
@@ -99,9 +114,12 @@ class OutputState:
             )
         stopped = False
         if self.detok is not None and not self.finished:
-            delta = self.detok.add(eo.new_token_ids)
+            ids = eo.new_token_ids
+            if eo.finished and eo.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+                ids = ids[:-1]  # the stop token's own text
+            delta = self.detok.add(ids)
             out.text += delta
-            if delta:
+            if delta and len(out.token_ids) > self.min_tokens:
                 out.text, hit = self.stops.check(out.text, len(delta))
                 if hit is not None:
                     out.finish_reason, out.stop_reason, stopped = "stop", hit, True

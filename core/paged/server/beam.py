@@ -74,9 +74,15 @@ async def run_beam_search(
     return search.result(None).sequences
 
 
-def _text(sv: Serving, seq: BeamSearchSequence, num_prompt: int, skip: bool) -> str:
+def _text(sv: Serving, seq: BeamSearchSequence, num_prompt: int, req: SamplingRequest) -> str:
+    """The beam's output text; an EOS that ended it is left out unless
+    include_stop_str_in_output (as sampled sequences' text)."""
     out = seq.tokens[num_prompt:]
-    return sv.tokenizer.decode(out, skip_special_tokens=skip) if sv.tokenizer is not None else ""
+    if seq.finish_reason == "stop" and out and not req.include_stop_str_in_output:
+        out = out[:-1]
+    if sv.tokenizer is None:
+        return ""
+    return sv.tokenizer.decode(out, skip_special_tokens=req.skip_special_tokens)
 
 
 def beam_response(
@@ -86,7 +92,7 @@ def beam_response(
     n = len(prompt.ids)
     choices = []
     for i, seq in enumerate(beams):
-        text = _text(sv, seq, n, req.skip_special_tokens)
+        text = _text(sv, seq, n, req)
         c: dict[str, Any] = {"index": i}
         if chat:
             c["message"] = {"role": "assistant", "content": text}

@@ -6,13 +6,50 @@ top-n of the raw distribution. -inf is clamped to -9999.0, as JSON has no infini
 
 from __future__ import annotations
 
+import re
+from functools import cache
 from typing import Any
 
 FLOOR = -9999.0
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 def _text(tok: Any, token_id: int) -> str:
     return tok.decode([token_id]) if tok is not None else str(token_id)
+
+
+@cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _byte_level(tok: Any) -> bool:
+    """Whether the tokenizer's pieces spell bytes in GPT-2's alphabet (Llama 3, Qwen, GPT-2)."""
+    decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+    return "ByteLevel" in repr(decoder)
+
+
+def token_bytes(tok: Any, token_id: int) -> list[int]:
+    """The token's own bytes (OpenAI's `bytes`): a piece of a multi-byte character gives its
+    bytes, not those of the replacement character its decoded text shows."""
+    raw = tok.convert_ids_to_tokens(token_id) if tok is not None else None
+    if isinstance(raw, str) and token_id not in getattr(tok, "all_special_ids", ()):
+        table = _unicode_to_byte()
+        if _byte_level(tok) and all(c in table for c in raw):
+            return [table[c] for c in raw]
+        if m := _BYTE_PIECE.fullmatch(raw):
+            return [int(m.group(1), 16)]
+    return list(_text(tok, token_id).encode("utf-8"))
 
 
 def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
@@ -81,7 +118,7 @@ def chat_logprobs(
 
     def item(tid: int, value: float | None) -> dict[str, Any]:
         s = _text(tok, tid)
-        return {"token": s, "logprob": _lp(value), "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": _lp(value), "bytes": token_bytes(tok, tid)}
 
     content = []
     for tid, entry in zip(token_ids, entries):
