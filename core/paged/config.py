@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +32,12 @@ KV_CACHE_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+# --chat-template: what makes a value inline Jinja rather than a file path (as vLLM tells them)
+JINJA_MARKERS = ("{{", "{%")
+# Counts that are None (the platform's or the model's default) or at least 1: 0 is refused,
+# not read as unset.
+_POSITIVE = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+             "kv_cache_memory")  # fmt: skip
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -117,7 +124,9 @@ class EngineConfig:
         "at start-up, run synthetic requests through the step loop so that kernels compile "
         "before the first request (default: the platform's choice: on for GPUs)"
     )
-    seed: int = _opt("seed for weights of --load-format dummy and unseeded sampling", default=0)
+    seed: int = _opt(
+        "seed for weights of --load-format dummy and unseeded sampling", default=0, type=int
+    )
     tensor_parallel_size: int = _opt(
         "devices one model is split over, by attention heads and MLP columns (one process "
         "each)", default=1, type=int, aliases=("-tp",)
@@ -143,7 +152,10 @@ class EngineConfig:
         "(default: the model's own name)",
         nargs="+",
     )
-    chat_template: str | None = _opt("a Jinja chat template file or string")
+    chat_template: str | None = _opt(
+        "a Jinja chat template: a file path, or the template text itself (which must hold "
+        "Jinja tags: a path that cannot be read is refused, not taken for a template)"
+    )
     runner: str = _opt(
         "auto | generate | pooling (embeddings: /v1/embeddings, LLM.embed); auto: pooling for "
         "a checkpoint without an LM head or a sentence-transformers model", default="auto",
@@ -207,6 +219,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        _check_numbers(self)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype: must be one of auto, {', '.join(_DTYPES)}, got {self.dtype!r}"
+            )
+        # the template's text from here on (the engine's processes, on other nodes too, need
+        # not see the file); a path that cannot be read is refused now
+        self.chat_template = read_chat_template(self.chat_template)
         if self.trust_remote_code:
             raise ValueError(
                 "trust_remote_code: paged never runs code from a model repository; "
@@ -224,8 +244,6 @@ class EngineConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if (self.max_num_seqs or 1) < 1 or (self.max_num_batched_tokens or 1) < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -328,6 +346,51 @@ class EngineConfig:
                 raise ValueError("model: given both as the argument and as --model")
             kwargs["model"] = values["model_flag"]
         return cls(**kwargs, platform_options=options)
+
+
+def read_chat_template(template: str | None) -> str | None:
+    """--chat-template: the value itself when it is inline Jinja, else the text of the file it
+    names. A value without Jinja syntax that is no readable file, or a file without Jinja
+    syntax, is refused (ValueError), as vLLM does."""
+    if template is None:
+        return None
+    if not isinstance(template, str):
+        raise ValueError(f"chat_template: expected a file path or Jinja text, got "
+                         f"{type(template).__name__}")  # fmt: skip
+    if any(m in template for m in JINJA_MARKERS):
+        return template
+    try:
+        with open(template, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, ValueError) as e:  # missing, a folder, unreadable, not UTF-8
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ValueError(
+            f"chat_template: cannot read the file {template[:200]!r} ({why}); an inline "
+            "template needs Jinja syntax ({{ ... }} or {% ... %})"
+        ) from None
+    if not any(m in text for m in JINJA_MARKERS):
+        raise ValueError(f"chat_template: the file {template[:200]!r} holds no Jinja syntax "
+                         "({{ ... }} or {% ... %}): not a chat template")  # fmt: skip
+    return text
+
+
+def _check_numbers(c: EngineConfig) -> None:
+    """Integer and float fields hold numbers (LLM() passes values as given), the counts of
+    _POSITIVE are at least 1 when set, and the seed fits torch's generators."""
+    for f in dataclasses.fields(c):
+        kind, value = f.metadata.get("type"), getattr(c, f.name)
+        if kind not in (int, float) or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, Integral if kind is int else Real):
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{f.name}: must be {what}, got {value!r}")
+    for name in _POSITIVE:
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name}: must be at least 1 (leave it unset for the default), "
+                             f"got {value}")  # fmt: skip
+    if not -(1 << 63) <= c.seed < 1 << 64:  # what torch.manual_seed takes
+        raise ValueError(f"seed: must fit in 64 bits, got {c.seed}")
 
 
 def _check_speculative(c: EngineConfig) -> None:

@@ -124,6 +124,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_tracing_args(parser)
 
 
+def check_server_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag when a server flag is out of range (not read as a default)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"port: must be in [0, 65535] (0: any free port), got {args.port}")
+    for name in ("idle_timeout", "body_timeout", "health_timeout"):
+        if not getattr(args, name) > 0:  # NaN too
+            raise ValueError(f"{name}: must be > 0 seconds, got {getattr(args, name)}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    if args.max_request_body < 1:
+        raise ValueError(f"max_request_body: must be at least 1 byte, got {args.max_request_body}")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise ValueError(f"max_prompt_chars: must be at least 1 (leave it unset for the "
+                         f"default), got {args.max_prompt_chars}")  # fmt: skip
+    if args.max_stored_responses < 0:
+        raise ValueError(f"max_stored_responses: must be >= 0 (0: none kept), got "
+                         f"{args.max_stored_responses}")  # fmt: skip
+
+
 def add_parsing_args(parser: argparse.ArgumentParser) -> None:
     """Tool calling and reasoning (docs/tools.md), in vLLM's spellings."""
     from paged.server.reasoning import REASONING_PARSERS
@@ -185,6 +204,7 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
 
     try:
         parsing_options(args)
+        check_server_args(args)
         check_http_args(args)
         check_log_args(args)
     except ValueError as e:

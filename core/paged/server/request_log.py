@@ -53,7 +53,7 @@ def add_log_args(parser: argparse.ArgumentParser) -> None:
 
 
 def check_log_args(args: argparse.Namespace) -> None:
-    if args.log_stats_interval <= 0:
+    if not args.log_stats_interval > 0:  # NaN too
         raise ValueError("log_stats_interval: must be > 0 seconds")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("max_log_len: must be >= 0")
