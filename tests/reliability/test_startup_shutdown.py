@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -64,6 +66,50 @@ def test_sigterm_drains_then_exits_zero(tiny_model, tmp_path):
         assert 3 <= took < 3 + 6, f"exit {took:.1f} s after SIGTERM (--shutdown-timeout 3)"
     finally:
         stop_server(srv)
+
+
+def test_requests_cut_at_the_shutdown_deadline_get_a_json_503():
+    """uvicorn cancels what is still running a second after the drain: a request without a
+    response yet (generating, or still sending its body) gets an OpenAI-shaped 503, not a
+    plain 500 and a traceback; a stream that started is left to be cut; a cancel outside a
+    drain propagates."""
+    from paged.server.app import Guard
+
+    async def cut(stage: str, draining: bool = True) -> list[dict]:
+        async def app(scope, receive, send):
+            if stage == "stream":
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+            await asyncio.sleep(3600)  # a long generation
+
+        async def receive() -> dict:
+            if stage == "body":
+                await asyncio.sleep(3600)  # a slow upload
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        sent: list[dict] = []
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        state = SimpleNamespace(api_key=None, max_body=1000, draining=False, inflight=0,
+                                body_timeout=60, max_pending_body=100, pending_body=0)  # fmt: skip
+        scope = {"type": "http", "path": "/v1/completions", "headers": []}
+        task = asyncio.create_task(Guard(app, state)(scope, receive, send))
+        await asyncio.sleep(0.05)
+        state.draining = draining  # SIGTERM
+        task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")  # as uvicorn
+        await task
+        assert state.inflight == 0
+        return sent
+
+    for stage in ("app", "body"):
+        sent = asyncio.run(cut(stage))
+        assert sent[0]["status"] == 503, stage
+        err = json.loads(sent[1]["body"])["error"]
+        assert err["type"] == "service_unavailable" and "shutting down" in err["message"]
+    assert [m["type"] for m in asyncio.run(cut("stream"))] == ["http.response.start"]
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cut("app", draining=False))
 
 
 def _server(args: list[str]) -> subprocess.Popen:

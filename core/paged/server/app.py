@@ -67,7 +67,8 @@ def _refuse(status: int, message: str, param: str | None = None, code: str | Non
 
 class Guard:
     """ASGI middleware, before routing and parsing: draining (503), API key (401), body
-    size (413, counted as it arrives whatever Content-Length says)."""
+    size (413, counted as it arrives whatever Content-Length says); a request cut at the end
+    of a drain answers 503 too."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -145,6 +146,27 @@ class Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(msg: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self._serve(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.state.draining:
+                raise
+            # uvicorn cancels what still runs a second after the drain (--shutdown-timeout):
+            # a JSON 503, not its plain 500 and a traceback; a started response (a stream) is
+            # left for uvicorn to cut (docs/operating.md, Shutdown)
+            asyncio.current_task().uncancel()  # handled: the task goes on to answer
+            if not started:
+                msg = "the server is shutting down: the request did not finish in time"
+                await _refuse(503, msg)(scope, receive, send)
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope["path"].removeprefix(scope.get("root_path", ""))  # uvicorn adds it
         refusal = self._check(path, dict(scope.get("headers") or []))
         if refusal is not None:
