@@ -121,6 +121,48 @@ def test_bad_token_ids_refused(smollm):
     assert smollm.engine.kv.num_free_blocks == smollm.engine.num_blocks
 
 
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda llm: llm.generate({"text": "hi"}), ValueError,
+         r"^prompts\[0\]: a dict prompt needs"),
+        (lambda llm: llm.generate(5), TypeError, "^prompts: expected"),
+        (lambda llm: llm.generate([{"prompt_token_ids": [1, "a"]}]), TypeError,
+         r"^prompts\[0\]\.prompt_token_ids: .* \[1\] is str"),
+        (lambda llm: llm.generate("hi", {"max_tokens": 3}), TypeError,
+         r"^sampling_params: .*got dict \(build SamplingParams\(\*\*d\)"),
+        (lambda llm: llm.generate(["a", "b"], [SamplingParams(), {}]), TypeError,
+         r"^sampling_params\[1\]: "),
+        (lambda llm: llm.chat([{"role": "user"}]), ValueError, r"^messages\[0\]\.content: missing"),
+        (lambda llm: llm.chat([{"role": "wizard", "content": "hi"}]), ValueError,
+         r"^messages\[0\]\.role: must be one of system, developer, user, assistant, tool"),
+        (lambda llm: llm.chat([PROMPT, [{"role": "user", "content": 5}]]), TypeError,
+         r"^messages\[1\]\[0\]\.content: expected a string"),
+        (lambda llm: llm.chat("hi"), TypeError, "^messages: expected a list"),
+        (lambda llm: llm.chat(PROMPT, {"max_tokens": 1}), TypeError, "^sampling_params: "),
+        (lambda llm: llm.chat(PROMPT, chat_template="no-such.jinja"), ValueError,
+         "^chat_template: cannot read the file 'no-such.jinja'"),
+        (lambda llm: llm.chat(PROMPT, chat_template="{{ raise_exception('roles') }}"), ValueError,
+         "^messages: cannot apply the chat template: roles"),
+    ],
+)
+def test_bad_offline_arguments_name_the_argument(smollm, call, error, message):
+    """A ValueError or TypeError naming the argument, never a raw KeyError/AttributeError or a
+    Jinja error; nothing is left in the engine."""
+    with pytest.raises(error, match=message):
+        call(smollm)
+    assert not smollm.engine.has_unfinished()
+
+
+def test_offline_chat_takes_the_roles_the_server_takes():
+    from typing import get_args
+
+    from paged.engine.llm_inputs import CHAT_ROLES
+    from paged.server.protocol import ChatMessage
+
+    assert get_args(ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+
+
 def test_logprobs_match_a_full_forward(smollm):
     import torch
 

@@ -100,6 +100,11 @@ def test_validation_errors_are_400_with_param(app_client):
     assert _error(c.post("/v1/completions", json={}), 400)["param"] == "prompt"
     bad = {"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}
     assert _error(c.post("/v1/chat/completions", json=bad), 400)["param"] == "messages[1].role"
+    bad = {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]}  # as offline chat()
+    err = _error(c.post("/v1/chat/completions", json=bad), 400)
+    assert err["param"] == "messages[1].content" and "a user message needs it" in err["message"]
+    ok = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]}  # a prefix
+    assert c.post("/v1/chat/completions", json=ok).status_code == 200
     r = c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
     assert _error(r, 400)["param"] == "body"
     r = c.post("/v1/completions", json={"prompt": "x", "whatever": 1})  # never silently ignored

@@ -8,11 +8,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jinja2 import TemplateError
 from tqdm import tqdm
 
-from paged.config import EngineConfig
+from paged.config import EngineConfig, read_chat_template
 from paged.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from paged.engine.core import EngineCore
+from paged.engine.llm_inputs import check_conversations, check_prompts, check_sampling_params
 from paged.engine.outputs import (
     Logprob,
     OutputState,
@@ -40,15 +42,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 def load_chat_template(template: str | None) -> str | None:
-    """A template given as a file path or inline Jinja."""
-    if template is None:
-        return None
-    import os
-
-    if os.path.isfile(template):
-        with open(template) as f:
-            return f.read()
-    return template
+    """A template given as a file path or inline Jinja; ValueError naming chat_template for a
+    value without Jinja syntax that is no readable file (paged.config.read_chat_template)."""
+    return read_chat_template(template)
 
 
 class LLM:
@@ -108,7 +104,12 @@ class LLM:
         """Final outputs, in the prompts' order (whatever each request's output_kind, as vLLM's
         LLM.generate; stream() honours it). `lora_request`: the adapter of every prompt, or
         one per prompt (None: the base model); needs enable_lora=True."""
+        if not isinstance(prompts, str | dict | Sequence):
+            raise TypeError(f"prompts: expected a prompt or a list of them, got "
+                            f"{type(prompts).__name__}")  # fmt: skip
         prompts = self._normalize(prompts)
+        check_prompts(prompts)
+        check_sampling_params(sampling_params)
         tokenized = [self._tokenize(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm, lora_request)
 
@@ -163,18 +164,30 @@ class LLM:
         output is the raw text: parse tool calls with paged.server.tool_parsers)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt=False")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer to apply a chat template")
+        if not isinstance(messages, list):
+            raise TypeError(f"messages: expected a list of messages (dicts) or of "
+                            f"conversations, got {type(messages).__name__}")  # fmt: skip
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else messages
+        check_conversations(convs, single)
+        check_sampling_params(sampling_params)
+        template = load_chat_template(chat_template) or self.chat_template
         prompts = []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(
-                conv,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=load_chat_template(chat_template) or self.chat_template,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                **(chat_template_kwargs or {}),
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    conv,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=template,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    **(chat_template_kwargs or {}),
+                )
+            except TemplateError as e:  # the template's own raise_exception(...), as the server
+                raise ValueError(f"messages: cannot apply the chat template: {e}") from None
             prompts.append((text, self.tokenizer(text, add_special_tokens=False).input_ids))
         return self._run(prompts, sampling_params, use_tqdm, lora_request)
 

@@ -110,8 +110,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
         msg = msg.removeprefix("Value error, ")
         if msg not in msgs:
             msgs.append(msg)
-    if param == "body" and len(msgs) == 1 and _FIELD.match(msgs[0]):  # a model validator's
-        return bad_request(ValueError(msgs[0]))  # message that names its own field
+    if len(msgs) == 1 and (named := _FIELD.match(msgs[0])):  # a model validator's message
+        if param == "body":  # that names its own field
+            return bad_request(ValueError(msgs[0]))
+        return APIError(400, f"{param}.{msgs[0]}", param=f"{param}.{named.group(1)}")
     return APIError(400, f"{param}: {'; or '.join(msgs[:4])}", param=param)
 
 

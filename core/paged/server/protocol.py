@@ -318,6 +318,14 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool: the call this message answers
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """Only an assistant message may leave content out (its tool_calls, or a prefix)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: missing (a string or a list of parts): a {self.role} "
+                             "message needs it")  # fmt: skip
+        return self
+
     def as_template_input(self, index: int) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
