@@ -123,28 +123,10 @@ def test_server_flags_at_the_edges_are_accepted():
 
 def test_serve_refuses_a_key_that_does_not_match_the_certificate(tmp_path, caplog):
     """TLS (docs/operating.md): a key and certificate that do not load together exit 2."""
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tls_cert import self_signed
 
     from paged.cli.main import main
 
-    key, other = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    k, c = tmp_path / "other.pem", tmp_path / "cert.pem"
-    k.write_bytes(other.private_bytes(serialization.Encoding.PEM,
-                                      serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))  # fmt: skip
-    c.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    assert main(["serve", "--ssl-keyfile", str(k), "--ssl-certfile", str(c)]) == 2
+    k, c = self_signed(tmp_path, mismatched_key=True)
+    assert main(["serve", "--ssl-keyfile", k, "--ssl-certfile", c]) == 2
     assert "invalid configuration: ssl_certfile / ssl_keyfile: cannot load them" in caplog.text
