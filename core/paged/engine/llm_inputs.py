@@ -53,8 +53,8 @@ def check_sampling_params(params: Any) -> None:
 
 
 def check_conversations(convs: list[Any], single: bool) -> None:
-    """Each message a dict with a role the server takes and content (an assistant message
-    with tool_calls may leave it out); errors name messages[i] (messages[c][i] in a batch)."""
+    """Each message a dict with a role the server takes and content (only an assistant message
+    may leave it out, as on the server); errors name messages[i] (messages[c][i] in a batch)."""
     for c, conv in enumerate(convs):
         where = "messages" if single else f"messages[{c}]"
         if not isinstance(conv, list):
@@ -68,7 +68,7 @@ def check_conversations(convs: list[Any], single: bool) -> None:
                 raise ValueError(f"{where}[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                                  f"got {m.get('role')!r}")  # fmt: skip
             content = m.get("content")
-            if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            if content is None and m["role"] != "assistant":
                 raise ValueError(f"{where}[{i}].content: missing (a string or a list of parts)")
             if content is not None and not isinstance(content, str | list):
                 raise TypeError(f"{where}[{i}].content: expected a string or a list of parts, "
