@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged import SamplingParams
+from paged import BeamSearchParams, SamplingParams
 
 PROMPT = [{"role": "user", "content": "Write a story about a dragon."}]
 
@@ -127,6 +127,11 @@ def test_bad_token_ids_refused(smollm):
         (lambda llm: llm.generate({"text": "hi"}), ValueError,
          r"^prompts\[0\]: a dict prompt needs"),
         (lambda llm: llm.generate(5), TypeError, "^prompts: expected"),
+        (lambda llm: list(llm.stream({"text": "hi"})), ValueError, r"^prompts\[0\]: a dict"),
+        (lambda llm: list(llm.stream("hi", {"n": 2})), TypeError, "^sampling_params: "),
+        (lambda llm: llm.embed([[1, None]]), TypeError, r"^prompts\[0\]: .* \[1\] is NoneType"),
+        (lambda llm: llm.beam_search([{"text": "hi"}], BeamSearchParams(2, 2)), ValueError,
+         r"^prompts\[0\]: a dict"),
         (lambda llm: llm.generate([{"prompt_token_ids": [1, "a"]}]), TypeError,
          r"^prompts\[0\]\.prompt_token_ids: .* \[1\] is str"),
         (lambda llm: llm.generate("hi", {"max_tokens": 3}), TypeError,

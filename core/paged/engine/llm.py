@@ -104,21 +104,22 @@ class LLM:
         """Final outputs, in the prompts' order (whatever each request's output_kind, as vLLM's
         LLM.generate; stream() honours it). `lora_request`: the adapter of every prompt, or
         one per prompt (None: the base model); needs enable_lora=True."""
-        if not isinstance(prompts, str | dict | Sequence):
-            raise TypeError(f"prompts: expected a prompt or a list of them, got "
-                            f"{type(prompts).__name__}")  # fmt: skip
         prompts = self._normalize(prompts)
-        check_prompts(prompts)
         check_sampling_params(sampling_params)
         tokenized = [self._tokenize(p) for p in prompts]
         return self._run(tokenized, sampling_params, use_tqdm, lora_request)
 
     @staticmethod
     def _normalize(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        """A list of prompts, each checked (TypeError / ValueError naming prompts[i])."""
+        if not isinstance(prompts, str | dict | Sequence):
+            raise TypeError(f"prompts: expected a prompt or a list of them, got "
+                            f"{type(prompts).__name__}")  # fmt: skip
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            return [prompts]
+            prompts = [prompts]
+        check_prompts(list(prompts))
         return list(prompts)
 
     def beam_search(
@@ -200,6 +201,7 @@ class LLM:
         CUMULATIVE (everything so far), DELTA (the new tokens and text of the sequence that
         moved), FINAL_ONLY (once, finished). generate() returns the final outputs, as vLLM's."""
         prompts = self._normalize(prompts)
+        check_sampling_params(sampling_params)
         params = self._params(sampling_params, len(prompts))
         if any(p.num_sequences > p.n for p in params):
             raise ValueError("best_of: the n best are known only at the end; use generate()")
