@@ -38,3 +38,29 @@ def test_check_spec_names_the_field_and_the_place():
     with pytest.raises(ValueError, match=r"^guided_json: at properties\.t\.items: 'maxLength' "
                        r"beside 'pattern': .*cannot enforce it"):  # fmt: skip
         check_spec(sp, "guided_json")
+
+
+IGNORED = [  # (schema, JSON the schema does not allow but xgrammar's grammar takes)
+    ({"type": "number", "multipleOf": 0.5}, "0.3"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, '"aaaa"'),
+    ({"allOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]},
+     "7"),
+    ({"not": {"type": "integer"}}, "1"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '{"a": 1}'),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 3}}, "[1]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("schema", "wrong"), IGNORED)
+def test_what_is_refused_is_what_xgrammar_ignores(schema, wrong):
+    """Each refused keyword, compiled anyway, gives a grammar that takes JSON the schema does
+    not allow: the refusal is needed (if xgrammar learns one, this says so)."""
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    assert list(unenforced(schema))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+    assert _is_grammar_accept_string(grammar, wrong)

@@ -3,8 +3,10 @@
 xgrammar 0.2.9 compiles these into a grammar that ignores them (a log line at most), so an
 output could break the schema the client sent. A request field is honoured or refused: such
 a schema is refused with a 400 naming the keyword and where it is (as vLLM refuses them under
-its xgrammar backend). What is found: `multipleOf` on a number (an integer's is enforced),
-`minLength` / `maxLength` beside a `pattern` or `format`, and `uniqueItems: true`.
+its xgrammar backend). What is found (each checked against xgrammar's grammar in
+tests/structured/test_schema_limits.py): `multipleOf` on a number (an integer's is enforced),
+`minLength` / `maxLength` beside a `pattern` or `format`, `uniqueItems: true`, `allOf` with
+more than one branch, `not`, `if` / `then` / `else`, and `contains` (min/maxContains).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def unenforced(schema: Any, path: str = "") -> Iterator[tuple[str, str]]:
         yield path, f"'{lengths[0]}' beside '{beside[0]}'"
     if schema.get("uniqueItems") is True:
         yield path, "'uniqueItems' (a grammar cannot compare items)"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        yield path, "'allOf' with more than one branch (only one is enforced)"
+    for key in ("not", "if", "contains", "minContains", "maxContains"):
+        if key in schema:
+            yield path, f"'{key}'"
     for key in _SCHEMA_MAPS:
         subs = schema.get(key)
         if isinstance(subs, dict):
