@@ -150,10 +150,24 @@ def test_greedy_text_equals_chat_with_system_prompt(ant, oai):
     assert m.model == MODEL and [b.type for b in m.content] == ["text"]
     assert m.content[0].text == c.choices[0].message.content
     assert m.stop_reason == STOP_REASON[c.choices[0].finish_reason] and m.stop_sequence is None
-    assert m.usage.input_tokens == c.usage.prompt_tokens
+    total = m.usage.input_tokens + m.usage.cache_read_input_tokens  # input_tokens: uncached
+    assert total == c.usage.prompt_tokens
     assert m.usage.output_tokens == c.usage.completion_tokens
     n = ant.messages.count_tokens(model=MODEL, system="Answer briefly.", messages=USER)
-    assert n.input_tokens == m.usage.input_tokens
+    assert n.input_tokens == total
+
+
+def test_a_last_assistant_message_is_continued(ant, oai):
+    """Anthropic's prefill: the reply continues the final assistant text (no new turn)."""
+    turn = [*USER, {"role": "assistant", "content": "The answer is"}]
+    m = ant.messages.create(model=MODEL, max_tokens=6, messages=turn, extra_body=GREEDY)
+    c = oai.chat.completions.create(
+        model=MODEL, messages=turn, temperature=0, max_tokens=6,
+        extra_body=NO_THINKING | {"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert m.content[0].text == c.choices[0].message.content
+    n = ant.messages.count_tokens(model=MODEL, messages=turn)
+    assert n.input_tokens == c.usage.prompt_tokens
 
 
 def test_stream_events_and_final_message(ant, srv):
@@ -170,7 +184,8 @@ def test_stream_events_and_final_message(ant, srv):
     deltas = names.count("content_block_delta")
     blocks = ["content_block_start", *["content_block_delta"] * deltas, "content_block_stop"]
     assert names == ["message_start", "ping", *blocks, "message_delta", "message_stop"]
-    assert datas[0]["message"]["usage"]["input_tokens"] == full.usage.input_tokens
+    total = full.usage.input_tokens + full.usage.cache_read_input_tokens
+    assert datas[0]["message"]["usage"]["input_tokens"] == total  # before the cache is known
     text = "".join(d["delta"]["text"] for d in datas if d["type"] == "content_block_delta")
     assert text == full.content[0].text
     assert datas[-2]["delta"] == {"stop_reason": full.stop_reason, "stop_sequence": None}
@@ -182,7 +197,7 @@ def test_stream_events_and_final_message(ant, srv):
     assert [(b.type, b.text) for b in final.content] == [("text", full.content[0].text)]
     assert final.stop_reason == full.stop_reason
     assert final.usage.output_tokens == full.usage.output_tokens
-    assert final.usage.input_tokens == full.usage.input_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
 
 
 def test_stop_sequences(ant):
@@ -227,7 +242,7 @@ def test_tool_use_round_trip(ant, oai):
                     "type": "function", "function": {"name": call.name, "arguments": args}}]},
                    {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
     c = chat(oai, openai_turn, max_tokens=8, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="none")
-    assert after.usage.input_tokens == c.usage.prompt_tokens
+    assert after.usage.input_tokens + after.usage.cache_read_input_tokens == c.usage.prompt_tokens
     assert after.content[0].text == c.choices[0].message.content
     assert after.stop_reason == STOP_REASON[c.choices[0].finish_reason]
 

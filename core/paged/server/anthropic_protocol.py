@@ -180,8 +180,12 @@ class CountTokensRequest(RequestBody):
             parallel = not c.disable_parallel_tool_use
         elif tools:
             choice = "auto"
+        # A last assistant message is a prefill: the reply continues its text (Anthropic's)
+        prefill = self.messages[-1].role == "assistant"
         return ChatCompletionRequest(
             messages=self.chat_messages(),
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
             tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=parallel,

@@ -49,7 +49,7 @@ async def prepare(
     try:
         params = sv.params(req, req.max_tokens)
         text, ids = await sv.render_chat(
-            req.messages, True, req.tool_dicts(), req.template_kwargs()
+            req.messages, req.add_generation_prompt, req.tool_dicts(), req.template_kwargs()
         )
         parsing = ChatParsing(sv.parsing, req, text)
         params = _adjust(sv, req, parsing, params)

@@ -73,7 +73,7 @@ async def count_tokens(sv: Serving, req: CountTokensRequest) -> dict[str, Any]:
     chat = _chat(req, sv)
     try:
         _, ids = await sv.render_chat(
-            chat.messages, True, chat.tool_dicts(), chat.template_kwargs()
+            chat.messages, chat.add_generation_prompt, chat.tool_dicts(), chat.template_kwargs()
         )
     except APIError as e:
         raise renamed(e, NAMES) from None
@@ -119,8 +119,10 @@ def _stop(u: SeqUpdate, called: bool) -> dict[str, Any]:
 
 
 def _usage(prompt: int, output: int, cached: int) -> dict[str, Any]:
+    """Anthropic's usage: input_tokens are the prompt's uncached ones (the total input is
+    input_tokens + cache_read_input_tokens)."""
     return {
-        "input_tokens": prompt,
+        "input_tokens": prompt - cached,
         "output_tokens": output,
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": cached,
