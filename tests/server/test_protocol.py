@@ -64,6 +64,10 @@ def test_tokenize_needs_one_input():
         TokenizeRequest()
     with pytest.raises(ValueError):
         TokenizeRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
+    tool = {"type": "function", "function": {"name": "f"}}
+    for extra in ({"add_generation_prompt": False}, {"tools": [tool]}):  # chat only: not ignored
+        with pytest.raises(ValueError, match=f"{next(iter(extra))}: applies to messages"):
+            TokenizeRequest(prompt="a", **extra)
 
 
 @pytest.fixture(scope="module")

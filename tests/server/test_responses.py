@@ -96,6 +96,8 @@ def test_previous_response_id_continues_the_conversation(client):
              {"role": "user", "content": "And a third?"}]  # fmt: skip
     same(third, chat(client, [{"role": "system", "content": "Answer in one word."}, *conv]))
     assert client.responses.retrieve(third.id).output_text == third.output_text
+    with pytest.raises(openai.BadRequestError, match="stream: retrieving"):  # never ignored
+        list(client.responses.retrieve(third.id, stream=True))
 
 
 def test_store_is_bounded_and_errors(client):

@@ -15,7 +15,7 @@ from fastapi.staticfiles import StaticFiles
 
 import paged
 from paged.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from paged.server.errors import error_body, install_handlers
+from paged.server.errors import APIError, error_body, install_handlers
 from paged.server.limits import MAX_JSON_DEPTH, json_depth
 from paged.server.metrics import CONTENT_TYPE, ServerMetrics
 from paged.server.protocol import (
@@ -298,7 +298,10 @@ def build_app(state: ServerState) -> Any:
         return await until_disconnect(request, store.create(req))
 
     @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict[str, Any]:
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        for name in request.query_params:  # OpenAI's stream / include / starting_after
+            raise APIError(400, f"{name}: retrieving a stored response takes no query "
+                           "parameters (it is returned whole, never streamed)", name)  # fmt: skip
         return store.get(response_id)
 
     @app.delete("/v1/responses/{response_id}")
@@ -313,7 +316,8 @@ def build_app(state: ServerState) -> Any:
             ids = await sv.tokenize(req.prompt, "prompt", special)
         else:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            text, ids = await sv.render_chat(req.messages or [], req.add_generation_prompt, tools)
+            gen = req.add_generation_prompt is not False
+            text, ids = await sv.render_chat(req.messages or [], gen, tools)
             if req.add_special_tokens:
                 ids = await sv.tokenize(text, "messages", True)
         tok = sv.tokenizer

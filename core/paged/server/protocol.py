@@ -450,7 +450,7 @@ class TokenizeRequest(RequestBody):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # messages only (default True)
     return_token_strs: bool = False
     tools: Tools | None = None  # with messages: rendered by the chat template
 
@@ -458,6 +458,10 @@ class TokenizeRequest(RequestBody):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None:  # what only a chat template reads: not silently dropped
+            for name in ("tools", "add_generation_prompt"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: applies to messages only, not to prompt")
         return self
 
 
