@@ -33,19 +33,22 @@ def _unicode_to_byte() -> dict[str, int]:
     return chars
 
 
-def _byte_level(tok: Any) -> bool:
-    """Whether the tokenizer's pieces spell bytes in GPT-2's alphabet (Llama 3, Qwen, GPT-2)."""
+@cache
+def _pieces(tok: Any) -> tuple[bool, frozenset[int]]:
+    """Once per tokenizer: whether its pieces spell bytes in GPT-2's alphabet (Llama 3, Qwen,
+    GPT-2), and its special tokens' ids."""
     decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
-    return "ByteLevel" in repr(decoder)
+    return "ByteLevel" in repr(decoder), frozenset(getattr(tok, "all_special_ids", ()))
 
 
 def token_bytes(tok: Any, token_id: int) -> list[int]:
     """The token's own bytes (OpenAI's `bytes`): a piece of a multi-byte character gives its
     bytes, not those of the replacement character its decoded text shows."""
     raw = tok.convert_ids_to_tokens(token_id) if tok is not None else None
-    if isinstance(raw, str) and token_id not in getattr(tok, "all_special_ids", ()):
+    byte_level, special = _pieces(tok) if tok is not None else (False, frozenset())
+    if isinstance(raw, str) and token_id not in special:
         table = _unicode_to_byte()
-        if _byte_level(tok) and all(c in table for c in raw):
+        if byte_level and all(c in table for c in raw):
             return [table[c] for c in raw]
         if m := _BYTE_PIECE.fullmatch(raw):
             return [int(m.group(1), 16)]
