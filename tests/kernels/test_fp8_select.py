@@ -104,8 +104,9 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
     shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add
     and RMSNorm but the first layer's folded into the QKV and gate/up GEMVs and SiLU-and-mul
-    into the down projection's, and greedy output equals the unsplit GEMV's after the norm
-    and activation kernels."""
+    into the down projection's (or, with prequant, into the kernel that quantizes the rows
+    first), and greedy output equals the unsplit GEMV's after the norm and activation
+    kernels."""
     from paged import LLM, SamplingParams
     from paged.kernels import fp8_gemv
     from paged.quantization.base import QuantLinear
@@ -129,35 +130,48 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
             counters = torch.zeros(64, dtype=torch.int32)
             for mod in model.modules():
                 if isinstance(mod, QuantLinear) and split[0]:
-                    mod.forward = fp8_gemv.Fp8SplitGemv(mod, (16, 32, 3, 4, 1), counters)
+                    mod.forward = fp8_gemv.Fp8SplitGemv(mod, (16, 32, 3, 4, 1), counters,
+                                                        prequant=split[0] == "prequant")
 
     engines_on(Fp8OnCpu())
-    rows = []
-    real = fp8_gemv.fp8_gemv_split
-    monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a: rows.append(
+    rows, quantized = [], []
+    real, real_quantize = fp8_gemv.fp8_gemv_split, fp8_gemv.quantize_input
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a, **kw: rows.append(
         (len(x), a[5] is not None if len(a) > 5 else False, a[6] if len(a) > 6 else False))
-        or real(x, *a))  # fmt: skip
+        or real(x, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(fp8_gemv, "quantize_input", lambda x, norm, silu: quantized.append(
+        (norm is not None, silu)) or real_quantize(x, norm, silu))  # fmt: skip
     prompt = list(range(3, 40, 3))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     got = []
-    for on in (False, True):
-        split[:] = [on]
+    for mode in (None, "split", "prequant"):
+        split[:] = [mode]
         llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB",
                   quantization="fp8")  # fmt: skip
         got.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
         layers = len(llm.engine.runner.model.layers)
-        assert len(rows) == (3 * 4 * layers if on else 0)  # 3 decode steps, 4 linears a layer
+        # 3 decode steps, 4 linears a layer
+        assert len(rows) == (3 * 4 * layers if mode else 0)
+        assert len(quantized) == (3 * 4 * layers if mode == "prequant" else 0)
+        if mode == "split":
+            assert {m for m, _, _ in rows} == {1}
+            assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's
+            assert sum(silu for _, _, silu in rows) == 3 * layers
+        if mode == "prequant":  # the ops in the quantizing kernel, not the GEMV
+            assert sum(norm for norm, _ in quantized) == 3 * (2 * layers - 1)
+            assert sum(silu for _, silu in quantized) == 3 * layers
+            assert not any(norm or silu for _, norm, silu in rows)
+        rows.clear()
         del llm
-    assert {m for m, _, _ in rows} == {1} and got[0] == got[1]
-    assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's input norm
-    assert sum(silu for _, _, silu in rows) == 3 * layers
+    assert got[0] == got[1] == got[2]
 
 
 def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatch):
     """Start-up timing of an fp8 model (timers and the GPU faked): every shape tries the unsplit
     kernel's tile on the split kernel first; QKV and gate/up are timed with the residual add
     and RMSNorm (the norm op before the unsplit GEMV, folded into the split one), down with
-    SiLU-and-mul, o_proj with neither; a config that wins is installed with the op foldable."""
+    SiLU-and-mul, o_proj with neither, each also on rows the op's quantizing kernel made
+    first; a config that wins is installed with the op foldable, on quantized rows if so."""
     from paged import LLM
     from paged.kernels import fp8_gemv
     from paged.kernels.gemv import dot_config
@@ -176,7 +190,11 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     unsplit, split = [], []
     monkeypatch.setattr(fp8_select, "fp8_gemv_dot", lambda x, w, *a: unsplit.append((w, x)))
     monkeypatch.setattr(fp8_select, "fp8_gemv_split", lambda x, w, s, b, config, counters,
-                        norm, silu: split.append((w, config, norm is not None, silu)))
+                        norm=None, silu=False, x_scale=None, out_dtype=None: split.append(
+                            (w, config, norm is not None, silu, x_scale is not None)))  # fmt: skip
+    quantized = []
+    monkeypatch.setattr(fp8_select, "quantize_input", lambda x, norm, silu: quantized.append(
+        (norm is not None, silu)) or (x, torch.ones(len(x)), None))  # fmt: skip
     norms = []
     real_norm = llm.engine.runner.op_table["fused_add_rms_norm"]
     counting = {**llm.engine.runner.op_table,
@@ -190,12 +208,12 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     monkeypatch.setattr(fp8_select, "graph_time", run_once)
     firsts = {}
 
-    def split_time(calls):  # the unsplit tile (the first config of a shape) wins
+    def split_time(calls):  # the unsplit tile (the first config of a shape) wins, prequant
         before = len(split)
         run_once(calls)
-        w, config = split[before][:2]
+        w, config, _, _, prequant = split[before]
         firsts.setdefault(tuple(w.shape), config)
-        return 0.5 if config == firsts[tuple(w.shape)] else 0.9
+        return (0.5 if config == firsts[tuple(w.shape)] else 0.9) - 0.1 * prequant
 
     monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
     with ops.using(counting):
@@ -203,11 +221,14 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     for shape, config in firsts.items():
         block_n, block_k, warps, stages = dot_config(*shape, torch.device("cpu"))
         assert config == (block_n, block_k, 1, warps, stages)
-    for w, _, normed, silu in split:
+    for w, _, normed, silu, prequant in split:
         kind = kinds[tuple(w.shape)]
-        assert (normed, silu) == (kind == "norm", kind == "silu")
+        assert (normed, silu) == (kind == "norm", kind == "silu") or prequant
+    pre_kinds = [kinds[tuple(w.shape)] for w, *_, prequant in split if prequant]
+    assert sorted(quantized) == sorted((k == "norm", k == "silu") for k in pre_kinds)
+    assert set(pre_kinds) == {"norm", "silu", "plain"}  # every shape tried on quantized rows
     assert len(norms) == sum(kinds[tuple(w.shape)] == "norm" for w, _ in unsplit) > 0
     for mod in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                 layer.self_attn.o_proj):  # fmt: skip
         gemv = vars(mod)["forward"]
-        assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1
+        assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1 and gemv.prequant

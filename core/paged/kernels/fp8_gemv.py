@@ -27,6 +27,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
+from paged.kernels.fp8_act import quantize_input
 from paged.kernels.fused import rms_scaled, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
 
@@ -36,16 +37,18 @@ AMAX_ELEMENTS = 4096  # activations read a step for the rows' absmax (32 a threa
 
 @triton.jit
 def _fp8_gemv_split_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr, res_out_ptr,
-    M, N, K, k_per_split, stride_xm, stride_wn, stride_om, eps, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr,
+    res_out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, eps,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, X_FP8: tl.constexpr,
+    ROWS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_N outputs of all M rows over one of SPLIT slices of K. ROWS (M rounded up to a
     power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
     _fp8_gemv_dot_kernel. The rows' absmax is read AMAX_K columns a step (a few wide loads,
-    not K / BLOCK_K dependent ones). The first weight tile is loaded before the PDL wait
-    (`pdl`): no kernel writes the weight."""
+    not K / BLOCK_K dependent ones); X_FP8: the rows come quantized, their scales at xs_ptr
+    (fp8_act.quantize_input), and are read as they are. The first weight tile is loaded
+    before the PDL wait (`pdl`): no kernel writes the weight."""
     REP: tl.constexpr = 16 // ROWS
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -74,22 +77,25 @@ def _fp8_gemv_split_kernel(
                 tl.store(res_out_ptr + res_rows + kk[None, :], s, mask=ok)
             sq += s.to(tl.float32) * s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-    amax = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
-    for k0 in range(0, K, AMAX_K):  # the whole rows: the token's scale
-        kk = k0 + tl.arange(0, AMAX_K)
-        a = _input(x_rows, res_ptr + res_rows, g_ptr, kk, r_ok[:, None] & (kk < K)[None, :], K,
-                   rstd, NORM, SILU_MUL)  # fmt: skip
-        amax = tl.maximum(amax, tl.abs(a))
-    x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
+    if X_FP8:
+        x_scale = tl.load(xs_ptr + r, mask=r_ok, other=1.0)
+    else:
+        amax = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
+        for k0 in range(0, K, AMAX_K):  # the whole rows: the token's scale
+            kk = k0 + tl.arange(0, AMAX_K)
+            a = _input(x_rows, res_ptr + res_rows, g_ptr, kk, r_ok[:, None] & (kk < K)[None, :],
+                       K, rstd, NORM, SILU_MUL)  # fmt: skip
+            amax = tl.maximum(amax, tl.abs(a))
+        x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w,
-                    acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
+                    acc, NORM, SILU_MUL, X_FP8, ROWS, REP, BLOCK_K)  # fmt: skip
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :],
                     other=0.0)  # fmt: skip
         acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale,
-                        w, acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
+                        w, acc, NORM, SILU_MUL, X_FP8, ROWS, REP, BLOCK_K)  # fmt: skip
     c = tl.arange(0, 16)
     row = c // REP
     keep = col_ok[:, None] & ((row < M) & (c % REP == 0))[None, :]  # one column a row
@@ -137,12 +143,15 @@ def _input(x_rows, res_rows, g_ptr, kk, ok, K, rstd, NORM: tl.constexpr,
 
 @triton.jit
 def _dot_step(x_rows, res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w, acc,
-              NORM: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
-              REP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+              NORM: tl.constexpr, SILU_MUL: tl.constexpr, X_FP8: tl.constexpr,
+              ROWS: tl.constexpr, REP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc + the weight tile `w` (columns `ks`) times the rows' quantized input at `ks`."""
-    a = _input(x_rows, res_rows, g_ptr, ks, r_ok[:, None] & (ks < k_end)[None, :], K, rstd,
-               NORM, SILU_MUL)  # fmt: skip
-    q = quantize_e4m3(a, x_scale[:, None])
+    ok = r_ok[:, None] & (ks < k_end)[None, :]
+    if X_FP8:
+        q = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
+    else:
+        a = _input(x_rows, res_rows, g_ptr, ks, ok, K, rstd, NORM, SILU_MUL)
+        q = quantize_e4m3(a, x_scale[:, None])
     q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
     return acc + tl.dot(w, tl.trans(q16.to(w.dtype)), out_dtype=tl.float32)
 
@@ -173,6 +182,8 @@ def fp8_gemv_split(
     counters: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     silu_mul: bool = False,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The fp8 linear (per-row weight scales [N, 1], x [M, K] quantized per token, M <= 16)
     with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps, stages). `counters`: int32
@@ -181,14 +192,18 @@ def fp8_gemv_split(
 
     `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x;
     returns (out, x + residual), the new residual in a new tensor. `silu_mul`: x is [M, 2K], a
-    gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`)."""
+    gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`).
+    `x_scale` [M]: x is already quantized (float8_e4m3fn, fp8_act.quantize_input) with these
+    scales; the output is then `out_dtype` (neither `norm` nor `silu_mul`)."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
     if silu_mul:
         assert norm is None and k == 2 * weight.shape[1]
         k //= 2
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if x_scale is not None:
+        assert norm is None and not silu_mul and x.dtype == torch.float8_e4m3fn and out_dtype
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     res_out = torch.empty_like(x) if norm is not None else out
     if m == 0:
         return out if norm is None else (out, res_out)
@@ -202,9 +217,10 @@ def fp8_gemv_split(
     rows = triton.next_power_of_2(m)
     amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
     _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, scale, bias if bias is not None else out, out, part, counters, res, g,
-        res_out, m, n, k, per, x.stride(0), weight.stride(0), out.stride(0), eps,
-        HAS_BIAS=bias is not None, NORM=norm is not None, SILU_MUL=silu_mul, ROWS=rows,
+        x, x_scale if x_scale is not None else scale, weight, scale,
+        bias if bias is not None else out, out, part, counters, res, g, res_out, m, n, k, per,
+        x.stride(0), weight.stride(0), out.stride(0), eps, HAS_BIAS=bias is not None,
+        NORM=norm is not None, SILU_MUL=silu_mul, X_FP8=x_scale is not None, ROWS=rows,
         SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k, num_warps=warps,
         num_stages=stages, **pdl.launch(),
     )  # fmt: skip
@@ -216,28 +232,37 @@ class Fp8SplitGemv:
     `max_rows` rows (a measured choice: the CUDA plugin's fp8_select installs it per weight
     shape), the layer's own forward otherwise. With `norm` or `silu_mul` (inputs it `takes`)
     it also runs the residual add and RMSNorm, or SiLU-and-mul, before the projection, as
-    gemv.OneRowGemv does for 16-bit weights."""
+    gemv.OneRowGemv does for 16-bit weights. `prequant`: the input (and the op before it) is
+    quantized once by fp8_act.quantize_input, then the GEMV reads the fp8 rows; else every
+    program of the GEMV computes them itself."""
 
     def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor,
-                 max_rows: int = 4) -> None:  # fmt: skip
+                 max_rows: int = 4, prequant: bool = False) -> None:  # fmt: skip
         self.mod, self.config, self.counters, self.max_rows = mod, config, counters, max_rows
+        self.prequant = prequant
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether x (2-D) runs on the split GEMV, and so may have the op before it folded in."""
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1
 
     def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
-        mod = self.mod
         if norm is not None or silu_mul:
             assert self.takes(x), "the fused input op needs an input of few rows"
-            return fp8_gemv_split(x, mod.weight, mod.weight_scale, mod.bias, self.config,
-                                  self.counters, norm, silu_mul)  # fmt: skip
+            return self._gemv(x, norm, silu_mul)
         k = x.shape[-1]
         if x.numel() > self.max_rows * k:
-            return type(mod).forward(mod, x)
+            return type(self.mod).forward(self.mod, x)
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = fp8_gemv_split(x2, mod.weight, mod.weight_scale, mod.bias, self.config,
-                           self.counters)  # fmt: skip
-        return y.view(*x.shape[:-1], mod.weight.shape[0])
+        return self._gemv(x2, None, False).view(*x.shape[:-1], self.mod.weight.shape[0])
+
+    def _gemv(self, x: torch.Tensor, norm, silu_mul: bool):
+        mod = self.mod
+        if not self.prequant:
+            return fp8_gemv_split(x, mod.weight, mod.weight_scale, mod.bias, self.config,
+                                  self.counters, norm, silu_mul)  # fmt: skip
+        q, s, res = quantize_input(x, norm, silu_mul)
+        out = fp8_gemv_split(q, mod.weight, mod.weight_scale, mod.bias, self.config,
+                             self.counters, x_scale=s, out_dtype=x.dtype)  # fmt: skip
+        return out if res is None else (out, res)

@@ -8,9 +8,11 @@ and the split-K kernel (paged.kernels.fp8_gemv: its unsplit tile, and K split un
 configurations) are timed at one row, each in a CUDA graph over every weight of that shape
 (so they come from HBM, as in a decode step). A shape whose linears follow a residual add and
 RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
-unsplit GEMV, against the split kernel with the op folded in, as gemv_select times 16-bit
-linears. A shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN
-runs it for inputs of up to four rows. More rows keep the platform's fp8 linear.
+unsplit GEMV, against the split kernel with the op folded in (every program computes it and
+the token's scale over the whole row), and against the op and the quantization done once
+(paged.kernels.fp8_act) before the split kernel, as gemv_select times 16-bit linears. A
+shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN runs it
+for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import triton
 from torch import nn
 
+from paged.kernels.fp8_act import MAX_K, quantize_input
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
 from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
@@ -91,13 +94,16 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     device = next(iter(shapes.values()))[0].weight.device
     sms, smem = device_limits(device)
 
-    def configs(n: int, k: int) -> list[Config]:
-        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits."""
+    def configs(n: int, k: int) -> list[tuple[Config, bool]]:
+        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits;
+        each also on rows quantized once before it (prequant), where they fit that kernel."""
         block_n, block_k, warps, stages = dot_config(n, k, device)
-        return [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
+        tiles = [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
+        return [(c, pre) for pre in (False, True)[: 2 if k <= MAX_K else 1] for c in tiles]
 
-    inputs = OpInputs(model, {k for _, k in shapes}, device, model_dtype(model))
-    most = max(split_counters(n, c) for n, k in shapes for c in configs(n, k))
+    dtype = model_dtype(model)
+    inputs = OpInputs(model, {k for _, k in shapes}, device, dtype)
+    most = max(split_counters(n, c) for n, k in shapes for c, _ in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
 
     def time_unsplit(mods: list[nn.Module]) -> float:
@@ -105,17 +111,26 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         return graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
                            for m in mods])  # fmt: skip
 
-    def time_split(mods: list[nn.Module], config: Config) -> float:
+    def time_split(mods: list[nn.Module], choice: tuple[Config, bool]) -> float:
+        config, prequant = choice
         x, folded, silu = inputs.folded(mods[0])
-        calls = [lambda m=m: fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config,
-                                            counters, folded, silu) for m in mods]  # fmt: skip
-        return graph_time_or_inf(calls)
+
+        def call(m: nn.Module) -> torch.Tensor:
+            if not prequant:
+                return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
+                                      folded, silu)  # fmt: skip
+            q, s, _ = quantize_input(x, folded, silu)
+            return fp8_gemv_split(q, m.weight, m.weight_scale, m.bias, config, counters,
+                                  x_scale=s, out_dtype=dtype)  # fmt: skip
+
+        return graph_time_or_inf([lambda m=m: call(m) for m in mods])
 
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_unsplit, time_split)
-    for (n, k), (config, best, base) in chosen.items():
+    for (n, k), ((config, prequant), best, base) in chosen.items():
         for mod in shapes[(n, k)]:
-            mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS)
-        log.info("fp8 linears %dx%d (%d): split-K GEMV %s %.1f us, unsplit %.1f us", n, k,
-                 len(shapes[(n, k)]), config, best * 1e6, base * 1e6)  # fmt: skip
+            mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS, prequant)
+        log.info("fp8 linears %dx%d (%d): split-K GEMV %s%s %.1f us, unsplit %.1f us", n, k,
+                 len(shapes[(n, k)]), config, " on rows quantized first" if prequant else "",
+                 best * 1e6, base * 1e6)  # fmt: skip
     torch.cuda.synchronize()
