@@ -1,7 +1,7 @@
 """A decode fp8 linear's input quantized once with the op before it (paged.kernels.fp8_act),
 and the split fp8 GEMV reading those rows (`fp8_gemv_split(x_scale=...)`, Fp8SplitGemv's
-`prequant`): the same quantized rows as the op's kernel then quantize_fp8_rows, the same
-products as the GEMV quantizing inside."""
+`rows`): the same quantized rows as the op's kernel then quantize_fp8_rows, the same
+products as the GEMV quantizing inside; SiLU-and-mul with partial absmaxes likewise."""
 
 import pytest
 import torch
@@ -66,10 +66,33 @@ def test_the_gemv_on_quantized_rows_is_the_gemv_quantizing_inside(device, config
     assert (got.cpu().float() - want).abs().max() <= 1e-2 * want.abs().max()
 
 
+@pytest.mark.parametrize("m, k", [(1, 96), (3, 1100)])
+def test_silu_mul_absmax_and_the_gemv_taking_the_max(device, m, k):
+    """The activation bit-equal to silu_and_mul's, each block's absmax of it; the GEMV on it
+    with the max of those partials bit-equal to the GEMV computing the absmax itself."""
+    from paged.kernels import silu_and_mul
+    from paged.kernels.fp8_act import silu_mul_absmax
+    from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
+
+    gate_up = _inputs(m, k, torch.bfloat16, k)[3].to(device)
+    act, amax = silu_mul_absmax(gate_up, block=64)
+    want = silu_and_mul(gate_up)
+    assert torch.equal(act, want) and amax.shape == (m, -(-k // 64))
+    padded = torch.nn.functional.pad(want.float().abs(), (0, amax.shape[1] * 64 - k))
+    assert torch.equal(amax, padded.view(m, -1, 64).amax(-1))
+    g = torch.Generator().manual_seed(k)
+    wq, ws = (t.to(device) for t in ref.quantize_fp8_rows(torch.randn(40, k, generator=g)))
+    config = (16, 64, 3, 4, 2)
+    counters = torch.zeros(split_counters(40, config), dtype=torch.int32, device=device)
+    got = fp8_gemv_split(act, wq, ws, None, config, counters, x_amax=amax)
+    assert torch.equal(got, fp8_gemv_split(want, wq, ws, None, config, counters))
+    assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("config", CONFIGS)
-def test_the_installed_forward_with_prequant_matches_without(device, config):
-    """Fp8SplitGemv(prequant=True) against prequant=False on the three inputs the model gives
-    it (plain rows, the norm's, SiLU-and-mul's): the same outputs and residuals."""
+def test_the_installed_forward_matches_whoever_makes_the_rows(device, config):
+    """Fp8SplitGemv with rows "fp8" and "amax" against "fold" on the three inputs the model
+    gives it (plain rows, the norm's, SiLU-and-mul's): the same outputs and residuals."""
     from paged.kernels.fp8_gemv import Fp8SplitGemv, split_counters
     from paged.quantization.base import QuantLinear
     from paged.quantization.fp8 import Fp8Method
@@ -83,13 +106,15 @@ def test_the_installed_forward_with_prequant_matches_without(device, config):
         lin.bias.normal_()
     lin.to(device)
     counters = torch.zeros(split_counters(n, config), dtype=torch.int32, device=device)
-    plain, pre = (Fp8SplitGemv(lin, config, counters, 4, prequant) for prequant in (False, True))
+    fold = Fp8SplitGemv(lin, config, counters, 4)
     x, res, gain, gate_up = (t.to(device) for t in _inputs(m, k, torch.bfloat16, 3))
     with torch.no_grad():
-        assert torch.equal(pre(x), plain(x))
-        assert torch.equal(pre(gate_up, silu_mul=True), plain(gate_up, silu_mul=True))
-        (a, ra), (b, rb) = (f(x, norm=(res, gain, 1e-5)) for f in (pre, plain))
-        assert torch.equal(ra, rb)
-        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
-        assert pre(torch.randn(5, k, device=device, dtype=torch.bfloat16)).shape == (5, n)
+        for rows in ("fp8", "amax"):
+            other = Fp8SplitGemv(lin, config, counters, 4, rows)
+            assert torch.equal(other(x), fold(x))
+            assert torch.equal(other(gate_up, silu_mul=True), fold(gate_up, silu_mul=True))
+            (a, ra), (b, rb) = (f(x, norm=(res, gain, 1e-5)) for f in (other, fold))
+            assert torch.equal(ra, rb)
+            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+            assert other(torch.randn(5, k, device=device, dtype=torch.bfloat16)).shape == (5, n)
     assert int(counters.abs().sum()) == 0

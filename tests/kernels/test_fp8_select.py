@@ -104,7 +104,7 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
     shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add
     and RMSNorm but the first layer's folded into the QKV and gate/up GEMVs and SiLU-and-mul
-    into the down projection's (or, with prequant, into the kernel that quantizes the rows
+    into the down projection's (or, with rows "fp8", into the kernel that quantizes the rows
     first), and greedy output equals the unsplit GEMV's after the norm and activation
     kernels."""
     from paged import LLM, SamplingParams
@@ -131,7 +131,7 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
             for mod in model.modules():
                 if isinstance(mod, QuantLinear) and split[0]:
                     mod.forward = fp8_gemv.Fp8SplitGemv(mod, (16, 32, 3, 4, 1), counters,
-                                                        prequant=split[0] == "prequant")
+                                                        rows=split[0])
 
     engines_on(Fp8OnCpu())
     rows, quantized = [], []
@@ -144,7 +144,7 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
     prompt = list(range(3, 40, 3))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     got = []
-    for mode in (None, "split", "prequant"):
+    for mode in (None, "fold", "fp8"):
         split[:] = [mode]
         llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB",
                   quantization="fp8")  # fmt: skip
@@ -152,12 +152,12 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
         layers = len(llm.engine.runner.model.layers)
         # 3 decode steps, 4 linears a layer
         assert len(rows) == (3 * 4 * layers if mode else 0)
-        assert len(quantized) == (3 * 4 * layers if mode == "prequant" else 0)
-        if mode == "split":
+        assert len(quantized) == (3 * 4 * layers if mode == "fp8" else 0)
+        if mode == "fold":
             assert {m for m, _, _ in rows} == {1}
             assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's
             assert sum(silu for _, _, silu in rows) == 3 * layers
-        if mode == "prequant":  # the ops in the quantizing kernel, not the GEMV
+        if mode == "fp8":  # the ops in the quantizing kernel, not the GEMV
             assert sum(norm for norm, _ in quantized) == 3 * (2 * layers - 1)
             assert sum(silu for _, silu in quantized) == 3 * layers
             assert not any(norm or silu for _, norm, silu in rows)
@@ -190,11 +190,15 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     unsplit, split = [], []
     monkeypatch.setattr(fp8_select, "fp8_gemv_dot", lambda x, w, *a: unsplit.append((w, x)))
     monkeypatch.setattr(fp8_select, "fp8_gemv_split", lambda x, w, s, b, config, counters,
-                        norm=None, silu=False, x_scale=None, out_dtype=None: split.append(
-                            (w, config, norm is not None, silu, x_scale is not None)))  # fmt: skip
+                        norm=None, silu=False, x_scale=None, out_dtype=None, x_amax=None:
+                        split.append((w, config, norm is not None, silu,
+                                      "fp8" if x_scale is not None else
+                                      "amax" if x_amax is not None else "fold")))  # fmt: skip
     quantized = []
     monkeypatch.setattr(fp8_select, "quantize_input", lambda x, norm, silu: quantized.append(
         (norm is not None, silu)) or (x, torch.ones(len(x)), None))  # fmt: skip
+    monkeypatch.setattr(fp8_select, "silu_mul_absmax", lambda x: quantized.append(
+        "amax") or (x, torch.ones(len(x), 1)))  # fmt: skip
     norms = []
     real_norm = llm.engine.runner.op_table["fused_add_rms_norm"]
     counting = {**llm.engine.runner.op_table,
@@ -208,12 +212,12 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     monkeypatch.setattr(fp8_select, "graph_time", run_once)
     firsts = {}
 
-    def split_time(calls):  # the unsplit tile (the first config of a shape) wins, prequant
+    def split_time(calls):  # the unsplit tile (the first config of a shape) wins, on fp8 rows
         before = len(split)
         run_once(calls)
-        w, config, _, _, prequant = split[before]
+        w, config, _, _, rows = split[before]
         firsts.setdefault(tuple(w.shape), config)
-        return (0.5 if config == firsts[tuple(w.shape)] else 0.9) - 0.1 * prequant
+        return (0.5 if config == firsts[tuple(w.shape)] else 0.9) - 0.1 * (rows == "fp8")
 
     monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
     with ops.using(counting):
@@ -221,14 +225,19 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     for shape, config in firsts.items():
         block_n, block_k, warps, stages = dot_config(*shape, torch.device("cpu"))
         assert config == (block_n, block_k, 1, warps, stages)
-    for w, _, normed, silu, prequant in split:
+    for w, _, normed, silu, rows in split:
         kind = kinds[tuple(w.shape)]
-        assert (normed, silu) == (kind == "norm", kind == "silu") or prequant
-    pre_kinds = [kinds[tuple(w.shape)] for w, *_, prequant in split if prequant]
-    assert sorted(quantized) == sorted((k == "norm", k == "silu") for k in pre_kinds)
-    assert set(pre_kinds) == {"norm", "silu", "plain"}  # every shape tried on quantized rows
+        assert (normed, silu) == ((kind == "norm", kind == "silu") if rows == "fold" else
+                                  (False, False))  # fmt: skip
+    tried = {rows: [kinds[tuple(w.shape)] for w, *_, r in split if r == rows]
+             for rows in ("fp8", "amax")}  # fmt: skip
+    assert set(tried["fp8"]) == {"norm", "silu", "plain"}  # every shape on quantized rows
+    assert set(tried["amax"]) == {"silu"}  # the partial absmaxes only after SiLU-and-mul
+    assert sorted(map(str, quantized)) == sorted(
+        [str((k == "norm", k == "silu")) for k in tried["fp8"]] + ["amax"] * len(tried["amax"]))
     assert len(norms) == sum(kinds[tuple(w.shape)] == "norm" for w, _ in unsplit) > 0
     for mod in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                 layer.self_attn.o_proj):  # fmt: skip
         gemv = vars(mod)["forward"]
-        assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1 and gemv.prequant
+        assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1
+        assert gemv.rows == "fp8"

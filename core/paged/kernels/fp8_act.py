@@ -78,3 +78,33 @@ def quantize_input(
             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl.launch(),
         )  # fmt: skip
     return q, s, res_out
+
+
+@triton.jit
+def _silu_mul_absmax_kernel(x_ptr, out_ptr, amax_ptr, K, stride_x, P, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):  # fmt: skip
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    ks = p * BLOCK + tl.arange(0, BLOCK)
+    ok = ks < K
+    gate = tl.load(x_ptr + row * stride_x + ks, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + K + ks, mask=ok, other=0.0)
+    a = silu_mul(gate, up).to(up.dtype)
+    tl.store(out_ptr + row * K + ks, a, mask=ok)
+    tl.store(amax_ptr + row * P + p, tl.max(tl.abs(a.to(tl.float32)), 0))
+
+
+def silu_mul_absmax(x: torch.Tensor, block: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu_and_mul(x) [M, K], float32 [M, P]: the absmax of each `block` columns of it) for
+    x [M, 2K]: the activation before a down projection computed once by many programs, the
+    token's scale left to the GEMV (the max of P numbers, `fp8_gemv_split(x_amax=...)`)."""
+    m, k = x.shape[0], x.shape[1] // 2
+    assert x.stride(1) == 1
+    p = triton.cdiv(k, block)
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    amax = torch.empty(m, p, dtype=torch.float32, device=x.device)
+    if m:
+        _silu_mul_absmax_kernel[(m, p)](x, out, amax, k, x.stride(0), p, BLOCK=block, num_warps=4,
+                                        **pdl.launch())  # fmt: skip
+    return out, amax

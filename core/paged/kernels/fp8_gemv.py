@@ -27,7 +27,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
-from paged.kernels.fp8_act import quantize_input
+from paged.kernels.fp8_act import quantize_input, silu_mul_absmax
 from paged.kernels.fused import rms_scaled, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
 
@@ -39,15 +39,18 @@ AMAX_ELEMENTS = 4096  # activations read a step for the rows' absmax (32 a threa
 def _fp8_gemv_split_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr,
     res_out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, eps,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr, X_FP8: tl.constexpr,
-    ROWS: tl.constexpr, SPLIT: tl.constexpr,
+    xs_cols, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+    X_FP8: tl.constexpr, X_AMAX: tl.constexpr, XS_PAD: tl.constexpr, ROWS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_N outputs of all M rows over one of SPLIT slices of K. ROWS (M rounded up to a
     power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
     _fp8_gemv_dot_kernel. The rows' absmax is read AMAX_K columns a step (a few wide loads,
     not K / BLOCK_K dependent ones); X_FP8: the rows come quantized, their scales at xs_ptr
-    (fp8_act.quantize_input), and are read as they are. The first weight tile is loaded
+    (fp8_act.quantize_input), and are read as they are; X_AMAX: the rows' absmax comes as
+    xs_cols partial maxima a row at xs_ptr (fp8_act.silu_mul_absmax). The first weight tile is
+    loaded
     before the PDL wait (`pdl`): no kernel writes the weight."""
     REP: tl.constexpr = 16 // ROWS
     pid_n = tl.program_id(0)
@@ -79,6 +82,11 @@ def _fp8_gemv_split_kernel(
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
     if X_FP8:
         x_scale = tl.load(xs_ptr + r, mask=r_ok, other=1.0)
+    elif X_AMAX:
+        p = tl.arange(0, XS_PAD)
+        parts = tl.load(xs_ptr + r[:, None] * xs_cols + p[None, :],
+                        mask=r_ok[:, None] & (p < xs_cols)[None, :], other=0.0)  # fmt: skip
+        x_scale = token_scale(tl.max(parts, axis=1))
     else:
         amax = tl.zeros((ROWS, AMAX_K), dtype=tl.float32)
         for k0 in range(0, K, AMAX_K):  # the whole rows: the token's scale
@@ -184,6 +192,7 @@ def fp8_gemv_split(
     silu_mul: bool = False,
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    x_amax: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The fp8 linear (per-row weight scales [N, 1], x [M, K] quantized per token, M <= 16)
     with K split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps, stages). `counters`: int32
@@ -194,7 +203,8 @@ def fp8_gemv_split(
     returns (out, x + residual), the new residual in a new tensor. `silu_mul`: x is [M, 2K], a
     gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`).
     `x_scale` [M]: x is already quantized (float8_e4m3fn, fp8_act.quantize_input) with these
-    scales; the output is then `out_dtype` (neither `norm` nor `silu_mul`)."""
+    scales; the output is then `out_dtype` (neither `norm` nor `silu_mul`). `x_amax` [M, P]:
+    the rows' absmax is the max of these (fp8_act.silu_mul_absmax), not read from x."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
@@ -203,6 +213,9 @@ def fp8_gemv_split(
         k //= 2
     if x_scale is not None:
         assert norm is None and not silu_mul and x.dtype == torch.float8_e4m3fn and out_dtype
+    if x_amax is not None:
+        assert norm is None and not silu_mul and x_scale is None and x_amax.shape[0] == m
+    xs = x_scale if x_scale is not None else x_amax
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     res_out = torch.empty_like(x) if norm is not None else out
     if m == 0:
@@ -217,10 +230,12 @@ def fp8_gemv_split(
     rows = triton.next_power_of_2(m)
     amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
     _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
-        x, x_scale if x_scale is not None else scale, weight, scale,
-        bias if bias is not None else out, out, part, counters, res, g, res_out, m, n, k, per,
-        x.stride(0), weight.stride(0), out.stride(0), eps, HAS_BIAS=bias is not None,
-        NORM=norm is not None, SILU_MUL=silu_mul, X_FP8=x_scale is not None, ROWS=rows,
+        x, xs if xs is not None else scale, weight, scale, bias if bias is not None else out,
+        out, part, counters, res, g, res_out, m, n, k, per, x.stride(0), weight.stride(0),
+        out.stride(0), eps, x_amax.shape[1] if x_amax is not None else 1,
+        HAS_BIAS=bias is not None, NORM=norm is not None, SILU_MUL=silu_mul,
+        X_FP8=x_scale is not None, X_AMAX=x_amax is not None,
+        XS_PAD=triton.next_power_of_2(x_amax.shape[1]) if x_amax is not None else 1, ROWS=rows,
         SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k, num_warps=warps,
         num_stages=stages, **pdl.launch(),
     )  # fmt: skip
@@ -232,14 +247,19 @@ class Fp8SplitGemv:
     `max_rows` rows (a measured choice: the CUDA plugin's fp8_select installs it per weight
     shape), the layer's own forward otherwise. With `norm` or `silu_mul` (inputs it `takes`)
     it also runs the residual add and RMSNorm, or SiLU-and-mul, before the projection, as
-    gemv.OneRowGemv does for 16-bit weights. `prequant`: the input (and the op before it) is
-    quantized once by fp8_act.quantize_input, then the GEMV reads the fp8 rows; else every
-    program of the GEMV computes them itself."""
+    gemv.OneRowGemv does for 16-bit weights. `rows` says who computes the input rows (the op
+    before the projection) and their per-token scale: "fold", every program of the GEMV over
+    the whole row; "fp8", one kernel first (fp8_act.quantize_input), the GEMV reading fp8
+    rows; "amax", for SiLU-and-mul, one many-program kernel first writing the activation and
+    partial absmaxes (fp8_act.silu_mul_absmax), other inputs as "fold"."""
+
+    ROWS = ("fold", "fp8", "amax")
 
     def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor,
-                 max_rows: int = 4, prequant: bool = False) -> None:  # fmt: skip
+                 max_rows: int = 4, rows: str = "fold") -> None:  # fmt: skip
+        assert rows in self.ROWS
         self.mod, self.config, self.counters, self.max_rows = mod, config, counters, max_rows
-        self.prequant = prequant
+        self.rows = rows
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether x (2-D) runs on the split GEMV, and so may have the op before it folded in."""
@@ -258,11 +278,13 @@ class Fp8SplitGemv:
         return self._gemv(x2, None, False).view(*x.shape[:-1], self.mod.weight.shape[0])
 
     def _gemv(self, x: torch.Tensor, norm, silu_mul: bool):
-        mod = self.mod
-        if not self.prequant:
-            return fp8_gemv_split(x, mod.weight, mod.weight_scale, mod.bias, self.config,
-                                  self.counters, norm, silu_mul)  # fmt: skip
-        q, s, res = quantize_input(x, norm, silu_mul)
-        out = fp8_gemv_split(q, mod.weight, mod.weight_scale, mod.bias, self.config,
-                             self.counters, x_scale=s, out_dtype=x.dtype)  # fmt: skip
-        return out if res is None else (out, res)
+        w, s, b = self.mod.weight, self.mod.weight_scale, self.mod.bias
+        if self.rows == "fp8":
+            q, xs, res = quantize_input(x, norm, silu_mul)
+            out = fp8_gemv_split(q, w, s, b, self.config, self.counters, x_scale=xs,
+                                 out_dtype=x.dtype)  # fmt: skip
+            return out if res is None else (out, res)
+        if self.rows == "amax" and silu_mul:
+            act, amax = silu_mul_absmax(x)
+            return fp8_gemv_split(act, w, s, b, self.config, self.counters, x_amax=amax)
+        return fp8_gemv_split(x, w, s, b, self.config, self.counters, norm, silu_mul)

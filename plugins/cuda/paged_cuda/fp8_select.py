@@ -10,7 +10,8 @@ configurations) are timed at one row, each in a CUDA graph over every weight of 
 RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
 unsplit GEMV, against the split kernel with the op folded in (every program computes it and
 the token's scale over the whole row), and against the op and the quantization done once
-(paged.kernels.fp8_act) before the split kernel, as gemv_select times 16-bit linears. A
+before the split kernel (paged.kernels.fp8_act; for SiLU-and-mul also the activation and
+partial absmaxes by many programs, the GEMV taking the max), as gemv_select times 16-bit linears. A
 shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN runs it
 for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
@@ -23,7 +24,7 @@ import torch
 import triton
 from torch import nn
 
-from paged.kernels.fp8_act import MAX_K, quantize_input
+from paged.kernels.fp8_act import MAX_K, quantize_input, silu_mul_absmax
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
 from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
@@ -94,15 +95,18 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     device = next(iter(shapes.values()))[0].weight.device
     sms, smem = device_limits(device)
 
-    def configs(n: int, k: int) -> list[tuple[Config, bool]]:
-        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits;
-        each also on rows quantized once before it (prequant), where they fit that kernel."""
-        block_n, block_k, warps, stages = dot_config(n, k, device)
-        tiles = [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
-        return [(c, pre) for pre in (False, True)[: 2 if k <= MAX_K else 1] for c in tiles]
-
     dtype = model_dtype(model)
     inputs = OpInputs(model, {k for _, k in shapes}, device, dtype)
+    gated = {shape for shape, mods in shapes.items() if id(mods[0]) in inputs.gated}
+
+    def configs(n: int, k: int) -> list[tuple[Config, str]]:
+        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits;
+        each also with its input rows made first (Fp8SplitGemv's `rows`), where they can be."""
+        block_n, block_k, warps, stages = dot_config(n, k, device)
+        tiles = [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
+        rows = ["fold", *(["fp8"] if k <= MAX_K else []), *(["amax"] if (n, k) in gated else [])]
+        return [(c, r) for r in rows for c in tiles]
+
     most = max(split_counters(n, c) for n, k in shapes for c, _ in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
 
@@ -111,26 +115,29 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         return graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
                            for m in mods])  # fmt: skip
 
-    def time_split(mods: list[nn.Module], choice: tuple[Config, bool]) -> float:
-        config, prequant = choice
+    def time_split(mods: list[nn.Module], choice: tuple[Config, str]) -> float:
+        config, rows = choice
         x, folded, silu = inputs.folded(mods[0])
 
         def call(m: nn.Module) -> torch.Tensor:
-            if not prequant:
-                return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
-                                      folded, silu)  # fmt: skip
-            q, s, _ = quantize_input(x, folded, silu)
-            return fp8_gemv_split(q, m.weight, m.weight_scale, m.bias, config, counters,
-                                  x_scale=s, out_dtype=dtype)  # fmt: skip
+            if rows == "fp8":
+                q, s, _ = quantize_input(x, folded, silu)
+                return fp8_gemv_split(q, m.weight, m.weight_scale, m.bias, config, counters,
+                                      x_scale=s, out_dtype=dtype)  # fmt: skip
+            if rows == "amax":
+                act, amax = silu_mul_absmax(x)
+                return fp8_gemv_split(act, m.weight, m.weight_scale, m.bias, config, counters,
+                                      x_amax=amax)  # fmt: skip
+            return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
+                                  folded, silu)  # fmt: skip
 
         return graph_time_or_inf([lambda m=m: call(m) for m in mods])
 
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_unsplit, time_split)
-    for (n, k), ((config, prequant), best, base) in chosen.items():
+    for (n, k), ((config, rows), best, base) in chosen.items():
         for mod in shapes[(n, k)]:
-            mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS, prequant)
-        log.info("fp8 linears %dx%d (%d): split-K GEMV %s%s %.1f us, unsplit %.1f us", n, k,
-                 len(shapes[(n, k)]), config, " on rows quantized first" if prequant else "",
-                 best * 1e6, base * 1e6)  # fmt: skip
+            mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS, rows)
+        log.info("fp8 linears %dx%d (%d): split-K GEMV %s, rows %s, %.1f us; unsplit %.1f us",
+                 n, k, len(shapes[(n, k)]), config, rows, best * 1e6, base * 1e6)  # fmt: skip
     torch.cuda.synchronize()
