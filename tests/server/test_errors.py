@@ -112,6 +112,17 @@ def test_unknown_route_and_method(http):
     err(http.get("/v1/completions"), 405)
 
 
+def test_head_wherever_get(http):
+    for path in ("/health", "/v1/models", "/version", "/"):
+        r = http.head(path)
+        assert r.status_code == 200 and r.content == b"", path
+        assert int(r.headers["content-length"]) == len(http.get(path).content), path
+    assert http.head("/v1/completions").status_code == 405
+    paths = http.get("/openapi.json").json()["paths"]  # HEAD twins left out of the schema
+    assert set(paths["/health"]) == {"get"} and set(paths["/v1/responses/{response_id}"]) == {
+        "get", "delete"}  # fmt: skip
+
+
 def test_server_still_serves(client):
     r = client.completions.create(model=None, prompt="hi", max_tokens=1)
     assert r.usage.completion_tokens == 1

@@ -147,3 +147,42 @@ def test_function_call_round_trip(client):
              "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]  # fmt: skip
     same(after, chat(client, conv, tools=[WEATHER_TOOL], tool_choice="none"))
+
+
+def test_errors_name_the_responses_field(http):
+    """param (and the message's start) is the field as this API spells it."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{oops"}
+    cases = [
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+        ({"text": {"format": {"type": "text", "schema": {}}}}, "text.format.schema"),
+        ({"input": [{"role": "user", "content": "x"}, call], "instructions": "Be brief."},
+         "input[1].arguments"),  # the item as sent, not the chat message it becomes
+        ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+    ]  # fmt: skip
+    for kw, param in cases:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "x"} | kw)
+        e = r.json()["error"]
+        assert r.status_code == 400 and e["param"] == param, (kw, e)
+        assert e["message"].startswith(f"{param}: "), e
+    # as chat refuses the same tool_choice
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "tool_choice": "auto"})  # fmt: skip
+    same_case = http.post("/v1/responses", json={"input": "x", "tool_choice": "auto"})
+    assert r.json()["error"] == same_case.json()["error"]
+
+
+def test_developer_message_as_on_chat(client):
+    """A developer message reaches the chat template as chat completions give it."""
+    dev = {"role": "developer", "content": "Answer in one word."}
+    user = {"role": "user", "content": "Name a color."}
+    same(respond(client, input=[dev, user]), chat(client, [dev, user]))
+
+
+def test_echoes_the_sampling_used(client):
+    """Left unset, temperature and top_p are echoed as sampled (this model has no generation
+    config defaults: 1.0), not null."""
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=1)
+    assert (r.temperature, r.top_p) == (1.0, 1.0)
+    r = respond(client, input="x", max_output_tokens=1, top_p=0.5)
+    assert (r.temperature, r.top_p) == (0.0, 0.5)

@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 
 import paged
@@ -335,5 +336,12 @@ def build_app(state: ServerState) -> Any:
     @app.get("/ping")
     async def ping() -> Response:
         return await health()
+
+    # HEAD wherever GET answers (as Starlette's own routes do; FastAPI's answer 405): a twin
+    # route, kept out of the OpenAPI schema (a GET+HEAD route would list each operation twice)
+    for route in list(app.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"],
+                              include_in_schema=False)  # fmt: skip
 
     return AnthropicErrors(Guard(app, state))

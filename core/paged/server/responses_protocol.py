@@ -3,9 +3,10 @@ messages. Unknown fields and item types are 400s naming them."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from paged.server.protocol import MAX_TOOLS, OpenAIModel, RequestBody
 
@@ -47,6 +48,16 @@ class FunctionCallItem(OpenAIModel):
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v: str) -> str:
+        """Checked here (templates read arguments parsed), so the error names this item."""
+        try:
+            json.loads(v)
+        except ValueError:
+            raise ValueError("not valid JSON") from None
+        return v
+
 
 class FunctionCallOutputItem(OpenAIModel):
     type: Literal["function_call_output"]
@@ -57,14 +68,22 @@ class FunctionCallOutputItem(OpenAIModel):
 
 
 def _item_type(v: Any) -> str:
-    return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
+    """The item's tag: its type and " item". Pydantic puts the tag in error locations; not an
+    identifier, errors.py leaves it out (input[1].arguments, not input[1].function_call...)."""
+    t = (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
+    return f"{t} item"
 
 
 Item = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-    Discriminator(_item_type),
+    Annotated[MessageItem, Tag("message item")]
+    | Annotated[FunctionCallItem, Tag("function_call item")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output item")],
+    Discriminator(
+        _item_type,
+        custom_error_type="invalid_item",
+        custom_error_message="type: must be message, function_call or function_call_output "
+        "(other items are not supported)",
+    ),
 ]
 
 
@@ -90,10 +109,11 @@ class TextFormat(OpenAIModel):
 
     @model_validator(mode="after")
     def _schema_iff_json_schema(self) -> TextFormat:
+        # names relative to text.format: the error's location prefixes them
         if (self.type == "json_schema") != (self.schema_ is not None):
-            raise ValueError("text.format.schema: required with type json_schema, and only then")
+            raise ValueError("schema: required with type json_schema, and only then")
         if self.type == "json_schema" and not self.name:
-            raise ValueError("text.format.name: required with type json_schema")
+            raise ValueError("name: required with type json_schema")
         return self
 
 
@@ -130,8 +150,8 @@ class ResponsesRequest(RequestBody):
         c = self.tool_choice
         if isinstance(c, FunctionChoice) and c.name not in names:
             raise ValueError(f"tool_choice: the function {c.name[:100]!r} is not in tools")
-        if c in ("required",) and not names:
-            raise ValueError("tool_choice: 'required' needs tools")
+        elif c not in (None, "none") and not names:  # as chat refuses it
+            raise ValueError(f"tool_choice: {c!r} needs tools")
         return self
 
     def input_messages(self) -> list[dict[str, Any]]:
@@ -140,9 +160,8 @@ class ResponsesRequest(RequestBody):
             return [{"role": "user", "content": self.input}]
         out: list[dict[str, Any]] = []
         for item in self.input:
-            if isinstance(item, MessageItem):
-                role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": item.text()})
+            if isinstance(item, MessageItem):  # developer too: rendered as on chat completions
+                out.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,

@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from paged.engine.async_engine import SeqUpdate
-from paged.server.errors import APIError
+from paged.server.errors import APIError, validation_error
 from paged.server.output_blocks import (
     Block,
     BlockStream,
@@ -24,6 +25,7 @@ from paged.server.output_blocks import (
     hex_id,
     named_sse,
     prepare,
+    renamed,
     stream_events,
 )
 from paged.server.protocol import ChatCompletionRequest
@@ -88,26 +90,21 @@ class ResponseStore:
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         try:
             chat = ChatCompletionRequest(messages=system + conversation, **req.chat_fields())
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise APIError(400, f"body: {err.get('msg', 'invalid request')}", "body") from None
+        except ValidationError as e:  # as a request body's errors, in this API's names
+            raise renamed(validation_error(RequestValidationError(e.errors())), NAMES) from None
         prompt, parsing = await prepare(sv, chat, NAMES)
         r = Run(sv, req, hex_id("resp"), conversation)
         if req.stream:
             return SSEResponse(self._stream(r, prompt, BlockStream(parsing, "call")))
         u, cached = await final_update(sv, r.rid, prompt)
         blocks, _ = full_blocks(parsing, u.state.out.text, "call")
-        done = r.response(
-            u, [r.item(i, b, u) for i, b in enumerate(blocks)], len(prompt.ids), cached
-        )
+        done = r.response(u, [r.item(i, b, u) for i, b in enumerate(blocks)], prompt, cached)
         self._keep(req, Stored(done, r.conversation_after(blocks)))
         return done
 
     async def _stream(self, r: Run, prompt: Prompt, blocks: BlockStream) -> AsyncIterator[str]:
-        yield r.event("response.created", {"response": r.response(None, [], len(prompt.ids), 0)})
-        yield r.event(
-            "response.in_progress", {"response": r.response(None, [], len(prompt.ids), 0)}
-        )
+        yield r.event("response.created", {"response": r.response(None, [], prompt, 0)})
+        yield r.event("response.in_progress", {"response": r.response(None, [], prompt, 0)})
         items: list[dict[str, Any]] = []
         try:
             async for events, u in stream_events(r.sv, r.rid, prompt, blocks):
@@ -117,7 +114,7 @@ class ResponseStore:
                     if e.what == "close":
                         items.append(r.item(e.index, e.block, u))
                 if u.state.finished:
-                    done = r.response(u, items, len(prompt.ids), u.output.num_cached_tokens)
+                    done = r.response(u, items, prompt, u.output.num_cached_tokens)
                     self._keep(r.req, Stored(done, r.conversation_after(blocks.blocks)))
                     kind = "completed" if done["status"] == "completed" else "incomplete"
                     yield r.event(f"response.{kind}", {"response": done})
@@ -170,9 +167,9 @@ class Run:
         }
 
     def response(
-        self, u: SeqUpdate | None, output: list[dict], n_prompt: int, cached: int
+        self, u: SeqUpdate | None, output: list[dict], prompt: Prompt, cached: int
     ) -> dict[str, Any]:
-        req = self.req
+        req, n_prompt = self.req, len(prompt.ids)
         status = "in_progress" if u is None else _status(u)
         n_out = len(u.state.out.token_ids) if u is not None else 0
         fmt = req.text.format if req.text and req.text.format else None
@@ -196,7 +193,8 @@ class Run:
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
             "store": req.store,
-            "temperature": req.temperature,
+            # what the sampler uses (the request's, else the generation config's, else 1.0)
+            "temperature": prompt.params.temperature,
             "text": {
                 "format": fmt.model_dump(exclude_none=True, by_alias=True)
                 if fmt
@@ -204,7 +202,7 @@ class Run:
             },
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": tools,
-            "top_p": req.top_p,
+            "top_p": prompt.params.top_p,
             "truncation": "disabled",
             "usage": None
             if u is None
