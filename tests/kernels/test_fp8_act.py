@@ -1,7 +1,6 @@
-"""A decode fp8 linear's input quantized once with the op before it (paged.kernels.fp8_act),
-and the split fp8 GEMV reading those rows (`fp8_gemv_split(x_scale=...)`, Fp8SplitGemv's
-`rows`): the same quantized rows as the op's kernel then quantize_fp8_rows, the same
-products as the GEMV quantizing inside; SiLU-and-mul with partial absmaxes likewise."""
+"""The op before a decode fp8 linear writing the rows' absmax (paged.kernels.fp8_act, the
+norm's `amax`) and the split fp8 GEMV taking it (`fp8_gemv_split(x_amax=...)`, Fp8SplitGemv's
+rows "amax"): the op's own outputs, the GEMV's products as when it reads the absmax itself."""
 
 import pytest
 import torch
@@ -21,49 +20,18 @@ def _inputs(m: int, k: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, k", [(1, 96), (3, 200), (4, 1100)])
-def test_the_rows_are_the_op_then_quantize_fp8_rows(device, dtype, m, k):
-    """Bit-equal to the op's own kernel (fused_add_rms_norm, silu_and_mul) then
-    quantize_fp8_rows: values and scales; the new residual the norm kernel's, inputs kept."""
-    from paged.kernels import fused_add_rms_norm, silu_and_mul
-    from paged.kernels.fp8_act import quantize_input
-    from paged.kernels.fp8_gemm import quantize_fp8_rows
+@pytest.mark.parametrize("m, k", [(1, 96), (4, 1100)])
+def test_the_norm_writes_its_rows_absmax(device, dtype, m, k):
+    """fused_add_rms_norm(amax=...): the same outputs and residual, bit for bit, and each
+    output row's absmax."""
+    from paged.kernels import fused_add_rms_norm
 
-    x, res, gain, gate_up = (t.to(device) for t in _inputs(m, k, dtype, m * k))
-    x0, res0 = x.clone(), res.clone()
-    normed, want_res = fused_add_rms_norm(x.clone(), res.clone(), gain, 1e-5)
-    cases = [(x, None, False, x), (x, (res, gain, 1e-5), False, normed),
-             (gate_up, None, True, silu_and_mul(gate_up))]  # fmt: skip
-    for inp, norm, silu, op_out in cases:
-        q, s, new_res = quantize_input(inp, norm, silu)
-        want_q, want_s = quantize_fp8_rows(op_out)
-        assert q.dtype == torch.float8_e4m3fn and s.shape == (m,)
-        assert torch.equal(q.float(), want_q.float()) and torch.equal(s, want_s.view(m))
-        assert (new_res is None) == (norm is None)
-        if norm is not None:
-            assert torch.equal(new_res, want_res)
-    assert torch.equal(x, x0) and torch.equal(res, res0)
-
-
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("m, n, k", [(1, 48, 96), (2, 37, 200), (4, 40, 1100)])
-def test_the_gemv_on_quantized_rows_is_the_gemv_quantizing_inside(device, config, m, n, k):
-    """The same quantized values, the same sums in the same order: bit-equal outputs (bias
-    too), in the input's dtype; the counters zero again."""
-    from paged.kernels.fp8_act import quantize_input
-    from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
-
-    g = torch.Generator().manual_seed(n + k)
-    wq, ws = (t.to(device) for t in ref.quantize_fp8_rows(torch.randn(n, k, generator=g) * 0.1))
-    b = torch.randn(n, generator=g).to(torch.bfloat16).to(device)
-    x = _inputs(m, k, torch.bfloat16, n)[0].to(device)
-    counters = torch.zeros(split_counters(n, config), dtype=torch.int32, device=device)
-    q, s, _ = quantize_input(x)
-    got = fp8_gemv_split(q, wq, ws, b, config, counters, x_scale=s, out_dtype=x.dtype)
-    assert got.dtype == torch.bfloat16 and int(counters.abs().sum()) == 0
-    assert torch.equal(got, fp8_gemv_split(x, wq, ws, b, config, counters))
-    want = (q.float().cpu() @ wq.float().cpu().t()) * s.cpu()[:, None] * ws.cpu().t() + b.cpu()
-    assert (got.cpu().float() - want).abs().max() <= 1e-2 * want.abs().max()
+    x, res, gain, _ = (t.to(device) for t in _inputs(m, k, dtype, m * k))
+    want_x, want_res = fused_add_rms_norm(x.clone(), res.clone(), gain, 1e-5)
+    amax = torch.full((m, 1), -1.0, device=device)
+    got_x, got_res = fused_add_rms_norm(x, res, gain, 1e-5, amax)
+    assert torch.equal(got_x, want_x) and torch.equal(got_res, want_res)
+    assert torch.equal(amax, want_x.float().abs().amax(1, keepdim=True))
 
 
 @pytest.mark.parametrize("m, k", [(1, 96), (3, 1100)])
@@ -90,10 +58,12 @@ def test_silu_mul_absmax_and_the_gemv_taking_the_max(device, m, k):
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_the_installed_forward_matches_whoever_makes_the_rows(device, config):
-    """Fp8SplitGemv with rows "fp8" and "amax" against "fold" on the three inputs the model
-    gives it (plain rows, the norm's, SiLU-and-mul's): the same outputs and residuals."""
-    from paged.kernels.fp8_gemv import Fp8SplitGemv, split_counters
+def test_the_installed_forward_with_the_ops_absmax_matches_the_fold(device, config):
+    """Fp8SplitGemv with rows "amax" against "fold" on the three inputs the model gives it
+    (plain rows, the norm's, SiLU-and-mul's): the same outputs (the norm's sums in another
+    order: up to a rounding flip) and residuals; the norm kernel's arithmetic exactly."""
+    from paged.kernels import fused_add_rms_norm
+    from paged.kernels.fp8_gemv import Fp8SplitGemv, fp8_gemv_split, split_counters
     from paged.quantization.base import QuantLinear
     from paged.quantization.fp8 import Fp8Method
 
@@ -106,15 +76,17 @@ def test_the_installed_forward_matches_whoever_makes_the_rows(device, config):
         lin.bias.normal_()
     lin.to(device)
     counters = torch.zeros(split_counters(n, config), dtype=torch.int32, device=device)
-    fold = Fp8SplitGemv(lin, config, counters, 4)
+    fold, amax = (Fp8SplitGemv(lin, config, counters, 4, rows) for rows in ("fold", "amax"))
     x, res, gain, gate_up = (t.to(device) for t in _inputs(m, k, torch.bfloat16, 3))
     with torch.no_grad():
-        for rows in ("fp8", "amax"):
-            other = Fp8SplitGemv(lin, config, counters, 4, rows)
-            assert torch.equal(other(x), fold(x))
-            assert torch.equal(other(gate_up, silu_mul=True), fold(gate_up, silu_mul=True))
-            (a, ra), (b, rb) = (f(x, norm=(res, gain, 1e-5)) for f in (other, fold))
-            assert torch.equal(ra, rb)
-            assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
-            assert other(torch.randn(5, k, device=device, dtype=torch.bfloat16)).shape == (5, n)
+        assert torch.equal(amax(x), fold(x))
+        assert torch.equal(amax(gate_up, silu_mul=True), fold(gate_up, silu_mul=True))
+        b, rb = fold(x, norm=(res, gain, 1e-5))
+        a, ra = amax(x.clone(), norm=(res.clone(), gain, 1e-5))
+        assert torch.equal(ra, rb)
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+        normed, _ = fused_add_rms_norm(x.clone(), res.clone(), gain, 1e-5)
+        assert torch.equal(a, fp8_gemv_split(normed, lin.weight, lin.weight_scale, lin.bias,
+                                             config, counters))  # fmt: skip
+        assert amax(torch.randn(5, k, device=device, dtype=torch.bfloat16)).shape == (5, n)
     assert int(counters.abs().sum()) == 0

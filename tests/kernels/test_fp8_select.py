@@ -104,8 +104,8 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
     shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add
     and RMSNorm but the first layer's folded into the QKV and gate/up GEMVs and SiLU-and-mul
-    into the down projection's (or, with rows "fp8", into the kernel that quantizes the rows
-    first), and greedy output equals the unsplit GEMV's after the norm and activation
+    into the down projection's (or, with rows "amax", the ops' own kernels writing the rows'
+    absmax), and greedy output equals the unsplit GEMV's after the norm and activation
     kernels."""
     from paged import LLM, SamplingParams
     from paged.kernels import fp8_gemv
@@ -134,17 +134,20 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
                                                         rows=split[0])
 
     engines_on(Fp8OnCpu())
-    rows, quantized = [], []
-    real, real_quantize = fp8_gemv.fp8_gemv_split, fp8_gemv.quantize_input
+    rows, ops_first = [], []
+    real, real_norm = fp8_gemv.fp8_gemv_split, fp8_gemv.fused_add_rms_norm
+    real_silu = fp8_gemv.silu_mul_absmax
     monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a, **kw: rows.append(
         (len(x), a[5] is not None if len(a) > 5 else False, a[6] if len(a) > 6 else False))
         or real(x, *a, **kw))  # fmt: skip
-    monkeypatch.setattr(fp8_gemv, "quantize_input", lambda x, norm, silu: quantized.append(
-        (norm is not None, silu)) or real_quantize(x, norm, silu))  # fmt: skip
+    monkeypatch.setattr(fp8_gemv, "fused_add_rms_norm", lambda *a: ops_first.append("norm")
+                        or real_norm(*a))  # fmt: skip
+    monkeypatch.setattr(fp8_gemv, "silu_mul_absmax", lambda x: ops_first.append("silu")
+                        or real_silu(x))  # fmt: skip
     prompt = list(range(3, 40, 3))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     got = []
-    for mode in (None, "fold", "fp8"):
+    for mode in (None, "fold", "amax"):
         split[:] = [mode]
         llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB",
                   quantization="fp8")  # fmt: skip
@@ -152,26 +155,28 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
         layers = len(llm.engine.runner.model.layers)
         # 3 decode steps, 4 linears a layer
         assert len(rows) == (3 * 4 * layers if mode else 0)
-        assert len(quantized) == (3 * 4 * layers if mode == "fp8" else 0)
+        assert len(ops_first) == (3 * 3 * layers - 3 if mode == "amax" else 0)  # not o_proj
         if mode == "fold":
             assert {m for m, _, _ in rows} == {1}
             assert sum(norm for _, norm, _ in rows) == 3 * (2 * layers - 1)  # not layer 0's
             assert sum(silu for _, _, silu in rows) == 3 * layers
-        if mode == "fp8":  # the ops in the quantizing kernel, not the GEMV
-            assert sum(norm for norm, _ in quantized) == 3 * (2 * layers - 1)
-            assert sum(silu for _, silu in quantized) == 3 * layers
+        if mode == "amax":  # the ops in their own kernels, not the GEMV
+            assert ops_first.count("norm") == 3 * (2 * layers - 1)
+            assert ops_first.count("silu") == 3 * layers
             assert not any(norm or silu for _, norm, silu in rows)
         rows.clear()
         del llm
     assert got[0] == got[1] == got[2]
 
 
-def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatch):
+def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatch,
+                                                         interpreter_only):  # fmt: skip
     """Start-up timing of an fp8 model (timers and the GPU faked): every shape tries the unsplit
     kernel's tile on the split kernel first; QKV and gate/up are timed with the residual add
     and RMSNorm (the norm op before the unsplit GEMV, folded into the split one), down with
-    SiLU-and-mul, o_proj with neither, each also on rows the op's quantizing kernel made
-    first; a config that wins is installed with the op foldable, on quantized rows if so."""
+    SiLU-and-mul, o_proj with neither, QKV, gate/up and down also with the op's kernel writing
+    the rows' absmax; a config that wins is installed with the op foldable, and the absmax
+    written by the op's kernel if that won."""
     from paged import LLM
     from paged.kernels import fp8_gemv
     from paged.kernels.gemv import dot_config
@@ -190,15 +195,14 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     unsplit, split = [], []
     monkeypatch.setattr(fp8_select, "fp8_gemv_dot", lambda x, w, *a: unsplit.append((w, x)))
     monkeypatch.setattr(fp8_select, "fp8_gemv_split", lambda x, w, s, b, config, counters,
-                        norm=None, silu=False, x_scale=None, out_dtype=None, x_amax=None:
-                        split.append((w, config, norm is not None, silu,
-                                      "fp8" if x_scale is not None else
-                                      "amax" if x_amax is not None else "fold")))  # fmt: skip
-    quantized = []
-    monkeypatch.setattr(fp8_select, "quantize_input", lambda x, norm, silu: quantized.append(
-        (norm is not None, silu)) or (x, torch.ones(len(x)), None))  # fmt: skip
-    monkeypatch.setattr(fp8_select, "silu_mul_absmax", lambda x: quantized.append(
-        "amax") or (x, torch.ones(len(x), 1)))  # fmt: skip
+                        norm=None, silu=False, x_amax=None: split.append(
+                            (w, config, norm is not None, silu,
+                             "fold" if x_amax is None else "amax")))  # fmt: skip
+    ops_first = []  # the op's own kernel writing the absmax
+    monkeypatch.setattr(fp8_select, "fused_add_rms_norm", lambda x, r, g, eps, amax:
+                        ops_first.append("norm") or (x, r))  # fmt: skip
+    monkeypatch.setattr(fp8_select, "silu_mul_absmax", lambda x: ops_first.append("silu")
+                        or (x, torch.ones(len(x), 1)))  # fmt: skip
     norms = []
     real_norm = llm.engine.runner.op_table["fused_add_rms_norm"]
     counting = {**llm.engine.runner.op_table,
@@ -212,12 +216,12 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     monkeypatch.setattr(fp8_select, "graph_time", run_once)
     firsts = {}
 
-    def split_time(calls):  # the unsplit tile (the first config of a shape) wins, on fp8 rows
+    def split_time(calls):  # the unsplit tile (the first config of a shape) wins, with amax
         before = len(split)
         run_once(calls)
         w, config, _, _, rows = split[before]
         firsts.setdefault(tuple(w.shape), config)
-        return (0.5 if config == firsts[tuple(w.shape)] else 0.9) - 0.1 * (rows == "fp8")
+        return (0.5 if config == firsts[tuple(w.shape)] else 0.9) - 0.1 * (rows == "amax")
 
     monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
     with ops.using(counting):
@@ -229,15 +233,12 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
         kind = kinds[tuple(w.shape)]
         assert (normed, silu) == ((kind == "norm", kind == "silu") if rows == "fold" else
                                   (False, False))  # fmt: skip
-    tried = {rows: [kinds[tuple(w.shape)] for w, *_, r in split if r == rows]
-             for rows in ("fp8", "amax")}  # fmt: skip
-    assert set(tried["fp8"]) == {"norm", "silu", "plain"}  # every shape on quantized rows
-    assert set(tried["amax"]) == {"silu"}  # the partial absmaxes only after SiLU-and-mul
-    assert sorted(map(str, quantized)) == sorted(
-        [str((k == "norm", k == "silu")) for k in tried["fp8"]] + ["amax"] * len(tried["amax"]))
+    tried = [kinds[tuple(w.shape)] for w, *_, rows in split if rows == "amax"]
+    assert set(tried) == {"norm", "silu"}  # not o_proj: no op before it
+    assert sorted(ops_first) == sorted(tried)
     assert len(norms) == sum(kinds[tuple(w.shape)] == "norm" for w, _ in unsplit) > 0
     for mod in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                 layer.self_attn.o_proj):  # fmt: skip
         gemv = vars(mod)["forward"]
         assert isinstance(gemv, fp8_gemv.Fp8SplitGemv) and gemv.config[2] == 1
-        assert gemv.rows == "fp8"
+        assert gemv.rows == ("fold" if mod is layer.self_attn.o_proj else "amax")

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
-from paged.kernels.fp8_act import quantize_input, silu_mul_absmax
-from paged.kernels.fused import rms_scaled, silu_mul
+from paged.kernels.fp8_act import silu_mul_absmax
+from paged.kernels.fused import fused_add_rms_norm, rms_scaled, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
@@ -40,17 +40,14 @@ def _fp8_gemv_split_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, res_ptr, g_ptr,
     res_out_ptr, M, N, K, k_per_split, stride_xm, stride_wn, stride_om, eps,
     xs_cols, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-    X_FP8: tl.constexpr, X_AMAX: tl.constexpr, XS_PAD: tl.constexpr, ROWS: tl.constexpr,
-    SPLIT: tl.constexpr,
+    X_AMAX: tl.constexpr, XS_PAD: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_N outputs of all M rows over one of SPLIT slices of K. ROWS (M rounded up to a
     power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
     _fp8_gemv_dot_kernel. The rows' absmax is read AMAX_K columns a step (a few wide loads,
-    not K / BLOCK_K dependent ones); X_FP8: the rows come quantized, their scales at xs_ptr
-    (fp8_act.quantize_input), and are read as they are; X_AMAX: the rows' absmax comes as
-    xs_cols partial maxima a row at xs_ptr (fp8_act.silu_mul_absmax). The first weight tile is
-    loaded
+    not K / BLOCK_K dependent ones), or under X_AMAX is the max of xs_cols partial maxima a
+    row at xs_ptr (fp8_act). The first weight tile is loaded
     before the PDL wait (`pdl`): no kernel writes the weight."""
     REP: tl.constexpr = 16 // ROWS
     pid_n = tl.program_id(0)
@@ -80,9 +77,7 @@ def _fp8_gemv_split_kernel(
                 tl.store(res_out_ptr + res_rows + kk[None, :], s, mask=ok)
             sq += s.to(tl.float32) * s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-    if X_FP8:
-        x_scale = tl.load(xs_ptr + r, mask=r_ok, other=1.0)
-    elif X_AMAX:
+    if X_AMAX:
         p = tl.arange(0, XS_PAD)
         parts = tl.load(xs_ptr + r[:, None] * xs_cols + p[None, :],
                         mask=r_ok[:, None] & (p < xs_cols)[None, :], other=0.0)  # fmt: skip
@@ -97,13 +92,13 @@ def _fp8_gemv_split_kernel(
         x_scale = token_scale(tl.max(amax, axis=1))  # [ROWS]
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w,
-                    acc, NORM, SILU_MUL, X_FP8, ROWS, REP, BLOCK_K)  # fmt: skip
+                    acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :],
                     other=0.0)  # fmt: skip
         acc = _dot_step(x_rows, res_ptr + res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale,
-                        w, acc, NORM, SILU_MUL, X_FP8, ROWS, REP, BLOCK_K)  # fmt: skip
+                        w, acc, NORM, SILU_MUL, ROWS, REP, BLOCK_K)  # fmt: skip
     c = tl.arange(0, 16)
     row = c // REP
     keep = col_ok[:, None] & ((row < M) & (c % REP == 0))[None, :]  # one column a row
@@ -151,15 +146,12 @@ def _input(x_rows, res_rows, g_ptr, kk, ok, K, rstd, NORM: tl.constexpr,
 
 @triton.jit
 def _dot_step(x_rows, res_rows, g_ptr, r_ok, ks, k_end, K, rstd, x_scale, w, acc,
-              NORM: tl.constexpr, SILU_MUL: tl.constexpr, X_FP8: tl.constexpr,
-              ROWS: tl.constexpr, REP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+              NORM: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
+              REP: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc + the weight tile `w` (columns `ks`) times the rows' quantized input at `ks`."""
-    ok = r_ok[:, None] & (ks < k_end)[None, :]
-    if X_FP8:
-        q = tl.load(x_rows + ks[None, :], mask=ok, other=0.0)
-    else:
-        a = _input(x_rows, res_rows, g_ptr, ks, ok, K, rstd, NORM, SILU_MUL)
-        q = quantize_e4m3(a, x_scale[:, None])
+    a = _input(x_rows, res_rows, g_ptr, ks, r_ok[:, None] & (ks < k_end)[None, :], K, rstd,
+               NORM, SILU_MUL)  # fmt: skip
+    q = quantize_e4m3(a, x_scale[:, None])
     q16 = tl.reshape(tl.broadcast_to(q[:, None, :], (ROWS, REP, BLOCK_K)), (16, BLOCK_K))
     return acc + tl.dot(w, tl.trans(q16.to(w.dtype)), out_dtype=tl.float32)
 
@@ -190,8 +182,6 @@ def fp8_gemv_split(
     counters: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     silu_mul: bool = False,
-    x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
     x_amax: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The fp8 linear (per-row weight scales [N, 1], x [M, K] quantized per token, M <= 16)
@@ -201,22 +191,17 @@ def fp8_gemv_split(
 
     `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x;
     returns (out, x + residual), the new residual in a new tensor. `silu_mul`: x is [M, 2K], a
-    gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`).
-    `x_scale` [M]: x is already quantized (float8_e4m3fn, fp8_act.quantize_input) with these
-    scales; the output is then `out_dtype` (neither `norm` nor `silu_mul`). `x_amax` [M, P]:
-    the rows' absmax is the max of these (fp8_act.silu_mul_absmax), not read from x."""
+    gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`). `x_amax`
+    [M, P] (neither): the rows' absmax is the max of these (fp8_act), not read from x."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
     if silu_mul:
         assert norm is None and k == 2 * weight.shape[1]
         k //= 2
-    if x_scale is not None:
-        assert norm is None and not silu_mul and x.dtype == torch.float8_e4m3fn and out_dtype
     if x_amax is not None:
-        assert norm is None and not silu_mul and x_scale is None and x_amax.shape[0] == m
-    xs = x_scale if x_scale is not None else x_amax
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+        assert norm is None and not silu_mul and x_amax.shape[0] == m and x_amax.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if norm is not None else out
     if m == 0:
         return out if norm is None else (out, res_out)
@@ -230,11 +215,12 @@ def fp8_gemv_split(
     rows = triton.next_power_of_2(m)
     amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
     _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
-        x, xs if xs is not None else scale, weight, scale, bias if bias is not None else out,
+        x, x_amax if x_amax is not None else scale, weight, scale,
+        bias if bias is not None else out,
         out, part, counters, res, g, res_out, m, n, k, per, x.stride(0), weight.stride(0),
         out.stride(0), eps, x_amax.shape[1] if x_amax is not None else 1,
         HAS_BIAS=bias is not None, NORM=norm is not None, SILU_MUL=silu_mul,
-        X_FP8=x_scale is not None, X_AMAX=x_amax is not None,
+        X_AMAX=x_amax is not None,
         XS_PAD=triton.next_power_of_2(x_amax.shape[1]) if x_amax is not None else 1, ROWS=rows,
         SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, AMAX_K=amax_k, num_warps=warps,
         num_stages=stages, **pdl.launch(),
@@ -247,13 +233,12 @@ class Fp8SplitGemv:
     `max_rows` rows (a measured choice: the CUDA plugin's fp8_select installs it per weight
     shape), the layer's own forward otherwise. With `norm` or `silu_mul` (inputs it `takes`)
     it also runs the residual add and RMSNorm, or SiLU-and-mul, before the projection, as
-    gemv.OneRowGemv does for 16-bit weights. `rows` says who computes the input rows (the op
-    before the projection) and their per-token scale: "fold", every program of the GEMV over
-    the whole row; "fp8", one kernel first (fp8_act.quantize_input), the GEMV reading fp8
-    rows; "amax", for SiLU-and-mul, one many-program kernel first writing the activation and
-    partial absmaxes (fp8_act.silu_mul_absmax), other inputs as "fold"."""
+    gemv.OneRowGemv does for 16-bit weights. `rows` says who computes that op and the rows'
+    absmax (the per-token scale): "fold", every program of the GEMV, over the whole row;
+    "amax", the op's kernel, once, before the GEMV (fp8_act; the norm's inputs are then
+    updated in place, as fused_add_rms_norm does)."""
 
-    ROWS = ("fold", "fp8", "amax")
+    ROWS = ("fold", "amax")
 
     def __init__(self, mod: torch.nn.Module, config: Config, counters: torch.Tensor,
                  max_rows: int = 4, rows: str = "fold") -> None:  # fmt: skip
@@ -278,13 +263,13 @@ class Fp8SplitGemv:
         return self._gemv(x2, None, False).view(*x.shape[:-1], self.mod.weight.shape[0])
 
     def _gemv(self, x: torch.Tensor, norm, silu_mul: bool):
-        w, s, b = self.mod.weight, self.mod.weight_scale, self.mod.bias
-        if self.rows == "fp8":
-            q, xs, res = quantize_input(x, norm, silu_mul)
-            out = fp8_gemv_split(q, w, s, b, self.config, self.counters, x_scale=xs,
-                                 out_dtype=x.dtype)  # fmt: skip
-            return out if res is None else (out, res)
+        w, s, b, config, counters = (self.mod.weight, self.mod.weight_scale, self.mod.bias,
+                                     self.config, self.counters)  # fmt: skip
+        if self.rows == "amax" and norm is not None:
+            amax = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            x, res = fused_add_rms_norm(x, norm[0], norm[1], norm[2], amax)
+            return fp8_gemv_split(x, w, s, b, config, counters, x_amax=amax), res
         if self.rows == "amax" and silu_mul:
             act, amax = silu_mul_absmax(x)
-            return fp8_gemv_split(act, w, s, b, self.config, self.counters, x_amax=amax)
-        return fp8_gemv_split(x, w, s, b, self.config, self.counters, norm, silu_mul)
+            return fp8_gemv_split(act, w, s, b, config, counters, x_amax=amax)
+        return fp8_gemv_split(x, w, s, b, config, counters, norm, silu_mul)

@@ -38,8 +38,10 @@ def _rms_norm_kernel(
     stride_o,
     n_cols,
     eps,
+    amax_ptr,
     BLOCK: tl.constexpr,
     ADD_RESIDUAL: tl.constexpr,
+    AMAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
@@ -57,7 +59,10 @@ def _rms_norm_kernel(
     var = tl.sum(h * h, 0) / n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = rms_scaled(h, tl.rsqrt(var + eps), w, x_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = y.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if AMAX:  # the output row's absmax (an fp8 linear's per-token scale after it)
+        tl.store(amax_ptr + row, tl.max(tl.abs(y.to(tl.float32)), 0))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -75,25 +80,30 @@ def rms_norm(
     n_rows, n_cols = x2.shape
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
-            x2, x2, weight, o2, x2.stride(0), 0, o2.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=False, num_warps=_warps(n_cols),
-            **pdl.launch(),
+            x2, x2, weight, o2, x2.stride(0), 0, o2.stride(0), n_cols, eps, o2,
+            BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=False, AMAX=False,
+            num_warps=_warps(n_cols), **pdl.launch(),
         )  # fmt: skip
     return out
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place: `residual += x; x = rms_norm(residual)`. Returns `(x, residual)`."""
+    """In place: `residual += x; x = rms_norm(residual)`. Returns `(x, residual)`. `amax`
+    (float32, one a row): each output row's absmax written there too."""
     assert x.shape == residual.shape
     x2, r2 = _rows(x), _rows(residual)
     n_rows, n_cols = x2.shape
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, x2, x2.stride(0), r2.stride(0), x2.stride(0), n_cols, eps,
-            BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=True, num_warps=_warps(n_cols),
-            **pdl.launch(),
+            amax if amax is not None else x2, BLOCK=triton.next_power_of_2(n_cols),
+            ADD_RESIDUAL=True, AMAX=amax is not None, num_warps=_warps(n_cols), **pdl.launch(),
         )  # fmt: skip
     return x, residual
 

@@ -9,9 +9,8 @@ configurations) are timed at one row, each in a CUDA graph over every weight of 
 (so they come from HBM, as in a decode step). A shape whose linears follow a residual add and
 RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
 unsplit GEMV, against the split kernel with the op folded in (every program computes it and
-the token's scale over the whole row), and against the op and the quantization done once
-before the split kernel (paged.kernels.fp8_act; for SiLU-and-mul also the activation and
-partial absmaxes by many programs, the GEMV taking the max), as gemv_select times 16-bit linears. A
+the token's scale over the whole row), and against the op's own kernel writing the rows'
+absmax for the split kernel (paged.kernels.fp8_act), as gemv_select times 16-bit linears. A
 shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN runs it
 for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
@@ -24,8 +23,9 @@ import torch
 import triton
 from torch import nn
 
-from paged.kernels.fp8_act import MAX_K, quantize_input, silu_mul_absmax
+from paged.kernels.fp8_act import silu_mul_absmax
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
+from paged.kernels.fused import fused_add_rms_norm
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
 from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
 
@@ -95,16 +95,17 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     device = next(iter(shapes.values()))[0].weight.device
     sms, smem = device_limits(device)
 
-    dtype = model_dtype(model)
-    inputs = OpInputs(model, {k for _, k in shapes}, device, dtype)
-    gated = {shape for shape, mods in shapes.items() if id(mods[0]) in inputs.gated}
+    inputs = OpInputs(model, {k for _, k in shapes}, device, model_dtype(model))
+    ops_before = inputs.normed | inputs.gated
+    amax_shapes = {shape for shape, mods in shapes.items() if id(mods[0]) in ops_before}
 
     def configs(n: int, k: int) -> list[tuple[Config, str]]:
         """The unsplit kernel's tile on the split kernel (what folds the op in), then splits;
-        each also with its input rows made first (Fp8SplitGemv's `rows`), where they can be."""
+        after a norm or SiLU-and-mul each also with the op's kernel writing the rows' absmax
+        (Fp8SplitGemv's rows "amax")."""
         block_n, block_k, warps, stages = dot_config(n, k, device)
         tiles = [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
-        rows = ["fold", *(["fp8"] if k <= MAX_K else []), *(["amax"] if (n, k) in gated else [])]
+        rows = ["fold", "amax"] if (n, k) in amax_shapes else ["fold"]
         return [(c, r) for r in rows for c in tiles]
 
     most = max(split_counters(n, c) for n, k in shapes for c, _ in configs(n, k))
@@ -118,16 +119,19 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     def time_split(mods: list[nn.Module], choice: tuple[Config, str]) -> float:
         config, rows = choice
         x, folded, silu = inputs.folded(mods[0])
+        if rows == "amax":  # the op's kernel writes the absmax (the norm's in place: copies)
+            amax = torch.empty(1, 1, dtype=torch.float32, device=device)
+            x, res = x.clone(), folded[0].clone() if folded else None
 
         def call(m: nn.Module) -> torch.Tensor:
-            if rows == "fp8":
-                q, s, _ = quantize_input(x, folded, silu)
-                return fp8_gemv_split(q, m.weight, m.weight_scale, m.bias, config, counters,
-                                      x_scale=s, out_dtype=dtype)  # fmt: skip
-            if rows == "amax":
-                act, amax = silu_mul_absmax(x)
+            if rows == "amax" and silu:
+                act, parts = silu_mul_absmax(x)
                 return fp8_gemv_split(act, m.weight, m.weight_scale, m.bias, config, counters,
-                                      x_amax=amax)  # fmt: skip
+                                      x_amax=parts)  # fmt: skip
+            if rows == "amax":
+                normed, _ = fused_add_rms_norm(x, res, folded[1], folded[2], amax)
+                return fp8_gemv_split(normed, m.weight, m.weight_scale, m.bias, config,
+                                      counters, x_amax=amax)  # fmt: skip
             return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
                                   folded, silu)  # fmt: skip
 
