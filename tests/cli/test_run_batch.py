@@ -81,17 +81,24 @@ def test_run_batch(cli, tiny_llama, tmp_path):
     assert refused("get")[0] == 400 and refused("get")[1].startswith("method:")
 
 
-def test_a_failing_engine_step_fails_its_lines_only(tiny_llama, tmp_path, capsys):
+def test_a_failing_engine_step_fails_its_lines_only(tiny_llama, tmp_path, capsys, monkeypatch):
     """A line whose engine step raises (the test-only fault hook) is answered 500 naming the
-    engine; the other lines, before and after it, still run and the command exits 0."""
+    engine, one whose handler raises (an internal error) 500 too; the other lines, before and
+    after them, still run and the command exits 0."""
     from paged.cli.main import build_parser
     from paged.cli.run_batch import run
     from paged.engine.faults import Faults
+    from paged.server import app
 
+    async def boom(*_: object) -> None:
+        raise RuntimeError("a bug in the chat handler")
+
+    monkeypatch.setattr(app, "create_chat_completion", boom)
     poison = 77
     lines = [_line(f"c{i}", COMP, {"prompt": [5 + i, 6, 7], "max_tokens": 3, "ignore_eos": True})
              for i in range(3)]  # fmt: skip
     lines.insert(1, _line("bad", COMP, {"prompt": [poison, 6], "max_tokens": 3}))
+    lines.insert(3, _line("bug", CHAT, {"messages": [{"role": "user", "content": "hi"}]}))
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     argv = ["run-batch", "-i", str(src), "-o", str(dst), tiny_llama, "--max-model-len", "64",
@@ -102,7 +109,33 @@ def test_a_failing_engine_step_fails_its_lines_only(tiny_llama, tmp_path, capsys
     bad = out["bad"]
     assert bad["response"]["status_code"] == 500 and bad["error"]["code"] == "server_error"
     assert "engine" in bad["error"]["message"] and "injected" not in bad["error"]["message"]
-    assert "4 requests: 3 succeeded, 1 failed" in capsys.readouterr().err
+    bug = out["bug"]
+    assert bug["response"]["status_code"] == 500 and bug["error"]["code"] == "server_error"
+    assert bug["error"]["message"] == "internal server error (RuntimeError)"
+    assert "5 requests: 3 succeeded, 2 failed" in capsys.readouterr().err
+
+
+def test_an_app_exception_answers_500_not_a_traceback():
+    """send_all against an app that raises with no handler of its own (a bare 500)."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from paged.cli.run_batch import parse_line, send_all
+
+    async def ok(_: object) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    async def boom(_: object) -> JSONResponse:
+        raise RuntimeError("bug")
+
+    web = Starlette(routes=[Route(COMP, ok, methods=["POST"]), Route(CHAT, boom, methods=["POST"])])
+    items = [parse_line(0, _line("a", COMP, {})), parse_line(1, _line("b", CHAT, {}))]
+    asyncio.run(send_all(web, items, 2))
+    assert (items[0].status, items[0].answer) == (200, {"ok": True})
+    assert items[1].status == 500 and items[1].answer["error"]["type"] == "api_error"
 
 
 def test_a_dead_engine_ends_the_run_with_5xx_lines_and_exit_1(tiny_llama, tmp_path, monkeypatch):
@@ -142,8 +175,20 @@ def test_a_dead_engine_ends_the_run_with_5xx_lines_and_exit_1(tiny_llama, tmp_pa
     assert len(codes) == 6 and 503 in codes and set(codes) <= {200, 503}, codes
 
 
-def test_an_unwritable_output_fails_before_the_engine_runs(cli, tiny_llama, tmp_path):
-    src = tmp_path / "in.jsonl"
+def test_files_that_cannot_be_used_fail_before_the_engine_runs(cli, tmp_path, caplog):
+    """A missing input, an input not UTF-8, an output that cannot be written: one line naming
+    the file (and the line), exit 2, no model loaded (there is none at that path)."""
+    src, bad, dst = tmp_path / "in.jsonl", tmp_path / "bad.jsonl", tmp_path / "out.jsonl"
     src.write_text(_line("c", COMP, {"prompt": "x"}) + "\n")
-    rc, _, err = cli("run-batch", "-i", src, "-o", tmp_path / "no" / "out.jsonl", tiny_llama)
-    assert rc == 1 and "No such file or directory" in err and "requests:" not in err
+    bad.write_bytes(src.read_bytes() * 2 + b'{"prompt": "caf\xe9"}\n')
+    model = tmp_path / "no-model-here"
+    for i, o, want in [
+        (tmp_path / "nope.jsonl", dst, f"--input-file: cannot read {tmp_path}/nope.jsonl: No such"),
+        (bad, dst, f"--input-file: {bad} line 3 is not UTF-8 (byte 0xe9"),
+        (src, tmp_path / "no" / "out.jsonl", f"--output-file: cannot write {tmp_path}/no/out.js"),
+    ]:  # fmt: skip
+        caplog.clear()
+        rc, _, err = cli("run-batch", "-i", i, "-o", o, model)
+        msgs = [r.getMessage() for r in caplog.records] + err.splitlines()
+        assert rc == 2 and any(m.startswith(want) for m in msgs), (want, msgs)
+        assert "requests:" not in err

@@ -8,12 +8,19 @@ Random token-id prompts of ``--input-len``, ``--output-len`` tokens each with ig
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from paged.cli.bench_common import print_metrics, save_json, stats
+
+if TYPE_CHECKING:
+    from paged.config import EngineConfig
+    from paged.engine.llm import LLM
 
 # name -> fn(args, prompts, output_len, llm, metrics) -> seconds to generate output_len tokens
 # for every prompt (ignore_eos), or a dict of figures merged into the results (the baseline
@@ -60,15 +67,69 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         p.set_defaults(func=run_throughput if name == "throughput" else run_latency)
 
 
-def build_llm(args: argparse.Namespace):
+# the least value of each count and length flag (the --hf-* ones of --baseline hf too)
+LEAST = dict(input_len=1, output_len=1, num_prompts=1, batch_size=1, num_iters=1,
+             num_iters_warmup=0, hf_batch_size=1, hf_num_iters=1, hf_num_prompts=1)  # fmt: skip
+
+
+def flag_error(
+    args: argparse.Namespace, least: dict[str, float], above: dict[str, float] | None = None
+) -> str:
+    """The first flag below its `least` value or not above its `above` bound, as a message
+    naming it ('' when all are fine); a flag unset (None) or absent is skipped, nan refused."""
+    for name, bound in least.items():
+        v = getattr(args, name, None)
+        if v is not None and not v >= bound:
+            return f"--{name.replace('_', '-')} must be at least {bound}, not {v}"
+    for name, bound in (above or {}).items():
+        v = getattr(args, name, None)
+        if v is not None and not v > bound:
+            return f"--{name.replace('_', '-')} must be more than {bound}, not {v}"
+    return ""
+
+
+def save_json_error(path: str | None) -> str:
+    """Why --save-json could not be written, found before the benchmark runs ('' if it can)."""
+    if not path:
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--save-json: {path} is a directory"
+    if not os.path.isdir(folder):
+        return f"--save-json: no directory {folder}"
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"--save-json: cannot write {path}"
+    return ""
+
+
+def checked_config(args: argparse.Namespace) -> EngineConfig | None:
+    """The EngineConfig, or None once a flag was refused with one line (before any load)."""
     from paged.config import EngineConfig
+
+    def refuse(problem: str) -> None:
+        print(f"error: {problem}", file=sys.stderr)
+
+    if problem := flag_error(args, LEAST, {"hf_max_seconds": 0}) or save_json_error(args.save_json):
+        return refuse(problem)
+    if args.baseline and args.baseline not in BASELINES:
+        known = ", ".join(BASELINES) or "none registered"
+        return refuse(f"--baseline: no baseline named {args.baseline!r} ({known})")
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        return refuse(f"invalid configuration: {e}")
+    need = args.input_len + args.output_len
+    if config.max_model_len is None:  # only what the benchmark needs: a smaller KV cache
+        config.max_model_len = need
+    elif config.max_model_len < need:
+        return refuse(f"--max-model-len {config.max_model_len} is below --input-len + "
+                      f"--output-len ({need})")  # fmt: skip
+    return config
+
+
+def build_llm(config: EngineConfig) -> LLM:
     from paged.engine.llm import LLM
 
-    if args.input_len < 1 or args.output_len < 1:
-        raise ValueError("--input-len and --output-len must be at least 1")
-    config = EngineConfig.from_cli_args(args)
-    if config.max_model_len is None:  # only what the benchmark needs: a smaller KV cache
-        config.max_model_len = args.input_len + args.output_len
     kwargs = {k: v for k, v in vars(config).items() if k != "model"}
     return LLM(config.model, **kwargs)
 
@@ -89,11 +150,7 @@ def _baseline(
 ) -> float | dict | None:
     if not args.baseline:
         return None
-    fn = BASELINES.get(args.baseline)
-    if fn is None:
-        known = ", ".join(BASELINES) or "none registered"
-        raise ValueError(f"--baseline: no baseline named {args.baseline!r} ({known})")
-    return fn(args, prompts, args.output_len, llm, m)
+    return BASELINES[args.baseline](args, prompts, args.output_len, llm, m)  # checked_config
 
 
 def _setup(args: argparse.Namespace) -> str:
@@ -102,7 +159,9 @@ def _setup(args: argparse.Namespace) -> str:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    llm = build_llm(args)
+    if (config := checked_config(args)) is None:
+        return 2
+    llm = build_llm(config)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
     llm.generate([{"prompt_token_ids": prompts[0]}], _params(2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -178,7 +237,9 @@ def timed_batch(engine, prompts: list[list[int]], params) -> tuple[float, list[f
 def run_latency(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    llm = build_llm(args)
+    if (config := checked_config(args)) is None:
+        return 2
+    llm = build_llm(config)
     prompts = random_prompts(args.batch_size, args.input_len, llm.engine.vocab_size, args.seed)
     params = _params(args.output_len)
     for _ in tqdm(range(args.num_iters_warmup), desc="warm-up", disable=args.disable_tqdm):

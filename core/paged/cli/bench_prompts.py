@@ -6,6 +6,7 @@ import argparse
 import json
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 _TEXT = """time person year way day thing man world life hand part child eye woman place work
 week case point government company number group problem fact river stone light music garden
@@ -62,28 +63,39 @@ def random_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 def dataset_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """Lines {"prompt": text or ids, "output_len" or "max_tokens": N} or JSON strings."""
+    """Lines {"prompt": text or ids, "output_len" or "max_tokens": N} or JSON strings; a
+    ValueError naming the file (and the line) for one that cannot be read or used."""
+    path = args.dataset
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--dataset: cannot read {path}: {e.strerror or e}") from None
     out = []
-    with open(args.dataset, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            rec = {"prompt": rec} if isinstance(rec, str) else rec
-            p = rec.get("prompt") if isinstance(rec, dict) else None
-            if not p:
-                raise ValueError(f"{args.dataset}:{i}: each line needs a 'prompt'")
-            n_out = rec.get("output_len") or rec.get("max_tokens") or args.random_output_len
-            n_in = len(p) if isinstance(p, list) else len(p.split())
-            out.append(Prompt(p, n_in, int(n_out)))
+    for i, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        where = f"--dataset: {path} line {i}"
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 ({e.reason})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        rec = {"prompt": rec} if isinstance(rec, str) else rec
+        p = rec.get("prompt") if isinstance(rec, dict) else None
+        ids = isinstance(p, list) and all(type(t) is int and t >= 0 for t in p)
+        if not p or not (isinstance(p, str) or ids):
+            raise ValueError(f"{where}: needs a 'prompt': a non-empty string or token ids")
+        n_out = rec.get("output_len", rec.get("max_tokens"))
+        if n_out is None:
+            n_out = args.random_output_len
+        elif type(n_out) is not int or n_out < 1:
+            raise ValueError(f"{where}: output_len / max_tokens must be at least 1, not {n_out!r}")
+        out.append(Prompt(p, len(p) if ids else len(p.split()), n_out))
     if not out:
-        raise ValueError(f"{args.dataset} holds no prompts")
+        raise ValueError(f"--dataset: {path} holds no prompts")
     rng = random.Random(args.seed)
     # --num-prompts of them, cycling through the file when it is shorter
-    order = [out[i % len(out)] for i in range(max(args.num_prompts, 1))]
+    order = [out[i % len(out)] for i in range(args.num_prompts)]
     rng.shuffle(order)
     return order
-
-
-def load_prompts(args: argparse.Namespace) -> list[Prompt]:
-    return dataset_prompts(args) if args.dataset else random_prompts(args)

@@ -17,7 +17,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from paged.cli.bench_common import print_metrics, save_json, stats
-from paged.cli.bench_prompts import Prompt, load_prompts
+from paged.cli.bench_offline import flag_error, save_json_error
+from paged.cli.bench_prompts import Prompt, dataset_prompts, random_prompts
+
+# bounds of the numeric flags, checked before the server is contacted: the least value of
+# each (--random-range-ratio is also below 1), and those that must be above a bound
+LEAST = dict(num_prompts=1, max_concurrency=1, random_input_len=1, random_output_len=1,
+             random_range_ratio=0, vocab_size=1, temperature=0)  # fmt: skip
+ABOVE = dict(request_rate=0, timeout=0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--request-rate",
         type=float,
         default=math.inf,
-        help="requests per second, Poisson arrivals (default: all at once)",
+        help="requests per second, Poisson arrivals (default inf: all at once)",
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--random-input-len", type=int, default=128, help="prompt tokens")
@@ -45,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--random-range-ratio",
         type=float,
         default=0.0,
-        help="vary lengths uniformly within +-ratio",
+        help="vary lengths uniformly within +-ratio, in [0, 1)",
     )
     p.add_argument(
         "--vocab-size",
@@ -62,7 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
     p.add_argument("--save-json", default=None, help="write all figures and the command here")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request timeout (s; inf: none)"
+    )
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -141,7 +150,7 @@ async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str)
         "temperature": args.temperature,
     }
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)  # 0: no limit
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    timeout = aiohttp.ClientTimeout(total=args.timeout if math.isfinite(args.timeout) else None)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     rng = random.Random(args.seed)
 
@@ -211,12 +220,19 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     args.api_key = args.api_key or os.environ.get("PAGED_API_KEY")
-    if args.num_prompts < 1:
-        print("error: --num-prompts must be at least 1", file=sys.stderr)
+    problem = flag_error(args, LEAST, ABOVE) or save_json_error(args.save_json)
+    if not problem and not args.random_range_ratio < 1:
+        problem = f"--random-range-ratio must be below 1, not {args.random_range_ratio}"
+    try:  # a dataset is read before the server is contacted
+        prompts = dataset_prompts(args) if args.dataset and not problem else None
+    except ValueError as e:
+        problem = str(e)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         model = args.model or asyncio.run(_first_model(args))
-        prompts = load_prompts(args)
+        prompts = prompts or random_prompts(args)
         metrics = asyncio.run(benchmark(args, prompts, model))
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

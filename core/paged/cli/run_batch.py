@@ -19,6 +19,7 @@ import logging
 import sys
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -93,6 +94,22 @@ def parse_line(index: int, line: str) -> Item:
     return item
 
 
+def read_input(path: str) -> str:
+    """The batch file's text ('-': stdin); a ValueError naming the file, and the line when it
+    is not UTF-8, when it cannot be read."""
+    name = "stdin" if path == "-" else path
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"--input-file: cannot read {name}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"--input-file: {name} line {line} is not UTF-8 (byte "
+                         f"0x{data[e.start]:02x}: {e.reason})") from None  # fmt: skip
+
+
 def output_line(it: Item) -> dict[str, Any]:
     line: dict[str, Any] = {
         "id": f"batch_req_{uuid.uuid4().hex}",
@@ -113,21 +130,31 @@ async def send_all(app: Any, items: list[Item], concurrency: int) -> None:
     import httpx
     from tqdm import tqdm
 
+    from paged.server.errors import error_body
+
     todo = [it for it in items if not it.status]
     gate = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(todo), desc="requests", unit="req", disable=None)
-    transport = httpx.ASGITransport(app=app)
+    # an exception in the app answers its line 500 (its handler's JSON), as the server does,
+    # instead of being raised here and ending the whole batch
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as c:
 
         async def one(it: Item) -> None:
-            async with gate:
-                headers = {"content-type": "application/json"}
-                r = await c.post(it.url, content=it.body, headers=headers)
-            it.status = r.status_code
             try:
-                it.answer = r.json()
-            except ValueError:
-                it.answer = {"error": {"message": r.text[:500], "type": "api_error"}}
+                async with gate:
+                    headers = {"content-type": "application/json"}
+                    r = await c.post(it.url, content=it.body, headers=headers)
+                it.status = r.status_code
+                try:
+                    it.answer = r.json()
+                except ValueError:
+                    text = r.text[:500] or f"HTTP {r.status_code} without a body"
+                    it.answer = {"error": {"message": text, "type": "api_error"}}
+            except Exception as e:  # one line's failure must not end the batch
+                log.exception("line %r failed", it.custom_id)
+                it.status = 500
+                it.answer = error_body(500, f"internal error ({type(e).__name__})")
             bar.update()
 
         await asyncio.gather(*(one(it) for it in todo))
@@ -164,8 +191,9 @@ async def _run(config: Any, args: argparse.Namespace, items: list[Item], faults:
 
 def run(args: argparse.Namespace, faults: Any = None) -> int:
     """Exit code 0 once the results are written, 1 if the engine did not start or died (the
-    lines it could not finish answer 5xx), 2 for invalid flags. `faults`: test-only fault
-    injection for the engine (paged/engine/faults.py)."""
+    lines it could not finish answer 5xx), 2 for invalid flags, an input file that cannot be
+    read or an output file that cannot be written (before the model loads). `faults`: test-only
+    fault injection for the engine (paged/engine/faults.py)."""
     from paged.config import EngineConfig
     from paged.engine.async_engine import LOG_FORMAT
     from paged.server.api import run_loop
@@ -178,14 +206,17 @@ def run(args: argparse.Namespace, faults: Any = None) -> int:
     except ValueError as e:
         log.error("invalid configuration: %s", e)
         return 2
-    if args.input_file == "-":
-        text = sys.stdin.read()
-    else:
-        with open(args.input_file, encoding="utf-8") as f:
-            text = f.read()
-    items = [parse_line(i, ln) for i, ln in enumerate(text.splitlines()) if ln.strip()]
-    if args.output_file != "-":  # a path we cannot write fails now, not after the whole run
-        open(args.output_file, "a", encoding="utf-8").close()
+    try:
+        text = read_input(args.input_file)
+        if args.output_file != "-":  # a path we cannot write fails now, not after the run
+            open(args.output_file, "a", encoding="utf-8").close()
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    except OSError as e:
+        log.error("--output-file: cannot write %s: %s", args.output_file, e.strerror or e)
+        return 2
+    items = [parse_line(i, ln) for i, ln in enumerate(text.split("\n")) if ln.strip()]
     rc = run_loop(_run(config, args, items, faults))
     if rc != 0 and not all(it.status for it in items):
         return rc  # nothing to write: the engine never took the lines
