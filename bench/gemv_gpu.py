@@ -34,10 +34,10 @@ L2_SPILL = 256 << 20  # bytes of weight copies cycled per timing (H200's L2 is 5
 CONFIGS = [c for c in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024), (4, 8))
            if c[0] * c[1] <= 4096 * c[2]]  # fmt: skip
 # the tensor-core fp8 GEMV: (BLOCK_N, BLOCK_K, warps, stages)
-DOT_CONFIGS = [*itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (3,)),
-               *itertools.product((32, 64, 128), (128, 256, 512), (4,), (4,))]  # fmt: skip
+DOT_CONFIGS = [*itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3,)),
+               *itertools.product((16, 32, 64, 128), (128, 256, 512), (4,), (4,))]  # fmt: skip
 # the tensor-core fp8 GEMV split over K: (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
-SPLIT_CONFIGS = list(itertools.product((32, 64, 128), (256, 512), (1, 2, 3, 4, 6, 8), (4,),
+SPLIT_CONFIGS = list(itertools.product((16, 32, 64, 128), (256, 512), (1, 2, 3, 4, 6, 8), (4,),
                                        (2, 3, 4)))  # fmt: skip
 
 
