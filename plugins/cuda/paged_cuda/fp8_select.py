@@ -18,6 +18,7 @@ for inputs of up to four rows. More rows keep the platform's fp8 linear.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import triton
@@ -111,10 +112,14 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     most = max(split_counters(n, c) for n, k in shapes for c, _ in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
 
+    fastest: dict[tuple, float] = {}  # (shape, rows or "unsplit"): the best time, for the log
+
     def time_unsplit(mods: list[nn.Module]) -> float:
         before = inputs.unfused(mods[0])
-        return graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
-                           for m in mods])  # fmt: skip
+        t = graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
+                        for m in mods])  # fmt: skip
+        fastest[(tuple(mods[0].weight.shape), "unsplit")] = t
+        return t
 
     def time_split(mods: list[nn.Module], choice: tuple[Config, str]) -> float:
         config, rows = choice
@@ -135,7 +140,10 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
             return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
                                   folded, silu)  # fmt: skip
 
-        return graph_time_or_inf([lambda m=m: call(m) for m in mods])
+        t = graph_time_or_inf([lambda m=m: call(m) for m in mods])
+        key = (tuple(mods[0].weight.shape), rows)
+        fastest[key] = min(fastest.get(key, math.inf), t)
+        return t
 
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_unsplit, time_split)
@@ -144,4 +152,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
             mod.forward = Fp8SplitGemv(mod, config, counters, DOT_MAX_ROWS, rows)
         log.info("fp8 linears %dx%d (%d): split-K GEMV %s, rows %s, %.1f us; unsplit %.1f us",
                  n, k, len(shapes[(n, k)]), config, rows, best * 1e6, base * 1e6)  # fmt: skip
+    for (shape, rows), t in sorted(fastest.items()):
+        log.debug("fp8 linears %dx%d: %s %.1f us", *shape, rows if rows == "unsplit" else
+                  f"best split-K GEMV with rows {rows}", t * 1e6)  # fmt: skip
     torch.cuda.synchronize()
