@@ -278,8 +278,8 @@ def main() -> None:
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)]
                for _ in range(args.batch)]  # fmt: skip
     so = StructuredOutputsParams(json=SCHEMA)
-    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
-                                 structured_outputs=so)  # fmt: skip
+    # no ignore_eos beside a grammar (refused): the grammar alone decides where it ends
+    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
     t = time.perf_counter()
     run(llm, prompts[:1], SamplingParams(max_tokens=2, structured_outputs=so))
     first = time.perf_counter() - t  # grammar compile (new schema) included

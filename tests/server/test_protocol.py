@@ -37,6 +37,8 @@ def test_sampling_params_from_request():
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 1, "guided_choice": ["a"]}, "min_tokens"),  # the grammar ends it
+        ({"ignore_eos": True, "response_format": {"type": "json_object"}}, "ignore_eos"),
     ],
 )
 def test_sampling_errors_name_the_field(fields, name):
@@ -120,6 +122,31 @@ def test_validation_errors_are_400_with_param(app_client):
                                                                                "x-y": 1}}
     assert _error(c.post("/v1/chat/completions", json=bad), 400)["param"] == "response_format.x-y"
     assert c.post("/v1/completions", json={"prompt": "x", "user": "u"}).status_code == 200
+
+
+def test_strict_types_and_openais_tool_rules(app_client):
+    """No lax coercion where OpenAI refuses: completions' logprobs is an integer (chat's is a
+    boolean), parallel_tool_calls a boolean; a tool message names its call; function names
+    match ^[a-zA-Z0-9_-]{1,64}$."""
+    c = app_client
+    r = c.post("/v1/completions", json={"prompt": "x", "logprobs": True})
+    assert _error(r, 400)["param"] == "logprobs"
+    assert c.post("/v1/completions", json={"prompt": "x", "logprobs": 1}).status_code == 200
+    user = {"role": "user", "content": "x"}
+    tool = {"type": "function", "function": {"name": "get-weather_2"}}
+    ok = {"messages": [user], "tools": [tool], "parallel_tool_calls": False}
+    assert c.post("/v1/chat/completions", json=ok).status_code == 200
+    r = c.post("/v1/chat/completions", json=ok | {"parallel_tool_calls": "no"})
+    assert _error(r, 400)["param"] == "parallel_tool_calls"
+    for name in ('a b"c', "a.b", "x" * 65, ""):
+        bad = {"messages": [user], "tools": [{"type": "function", "function": {"name": name}}]}
+        err = _error(c.post("/v1/chat/completions", json=bad), 400)
+        assert err["param"] == "tools[0].function.name", name
+    result = {"role": "tool", "content": "sunny"}
+    err = _error(c.post("/v1/chat/completions", json={"messages": [user, result]}), 400)
+    assert err["param"] == "messages[1].tool_call_id"
+    ok = {"messages": [user, result | {"tool_call_id": "call_1"}]}
+    assert c.post("/v1/chat/completions", json=ok).status_code == 200
 
 
 def test_guard_key_and_size(app_client):

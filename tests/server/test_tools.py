@@ -85,23 +85,83 @@ def test_required_schema_is_vllms():
     from paged.server.chat_parsing import ChatParsing, ParsingOptions
     from paged.server.protocol import ChatCompletionRequest
 
-    tool = json.loads(json.dumps(TIME_TOOL))
-    tool["function"]["parameters"]["$defs"] = {"Hour": {"type": "integer"}}
     req = ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}],
-        tools=[WEATHER_TOOL, tool],
+        tools=[WEATHER_TOOL, TIME_TOOL],
         tool_choice="required",
         parallel_tool_calls=False,
     )
     schema = ChatParsing(ParsingOptions(), req, "").schema
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
-    assert schema["$defs"] == {"Hour": {"type": "integer"}}
     good = [{"name": "get_time", "parameters": {"utc_offset": 2}}]
     jsonschema.validate(good, schema)
     for bad in ([], [{"name": "get_time", "parameters": {"city": "x", "unit": "celsius"}}],
                 good * 2):  # fmt: skip
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
+
+
+def test_required_schema_keeps_each_tools_refs():
+    """Root-relative refs ($defs, definitions, properties, "#") point at their own tool's
+    parameters: two tools may give one $defs name different meanings."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from paged.sampling.params import StructuredOutputsParams
+    from paged.sampling.structured import check_spec
+    from paged.server.chat_parsing import required_schema
+    from paged.server.protocol import ChatCompletionRequest
+
+    def tool(name: str, params: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+
+    a = tool("a", {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}},
+                   "required": ["x"], "$defs": {"X": {"type": "integer"}}})  # fmt: skip
+    b = tool("b", {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/X"}, "y": {"$ref": "#/definitions/Y"},
+        "z": {"$ref": "#/properties/y"}, "sub": {"$ref": "#"}},
+        "required": ["x"], "$defs": {"X": {"type": "string"}},
+        "definitions": {"Y": {"type": "boolean"}}})  # fmt: skip
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[a, b],
+                                tool_choice="required")  # fmt: skip
+    schema = required_schema(req)
+    check_spec(StructuredOutputsParams(json=schema), "tools")
+    good = [
+        {"name": "a", "parameters": {"x": 1}},
+        {"name": "b", "parameters": {"x": "s", "y": True, "z": False, "sub": {"x": "t"}}},
+    ]
+    jsonschema.validate(good, schema)
+    bad = [[{"name": "a", "parameters": {"x": "s"}}], [{"name": "b", "parameters": {"x": 1}}],
+           [{"name": "b", "parameters": {"x": "s", "z": 1}}],
+           [{"name": "b", "parameters": {"x": "s", "sub": {"x": 1}}}]]  # fmt: skip
+    for calls in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(calls, schema)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, json.dumps(good))
+    assert not any(_is_grammar_accept_string(grammar, json.dumps(c)) for c in bad)
+    assert a["function"]["parameters"]["properties"]["x"] == {"$ref": "#/$defs/X"}  # a copy
+
+
+def test_malformed_parameters_and_grammar_stops_are_refused():
+    from pydantic import ValidationError
+
+    from paged.server.chat_parsing import ChatParsing, ParsingOptions
+    from paged.server.errors import APIError
+    from paged.server.protocol import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for params in ({"$defs": [1]}, {"definitions": {"X": 3}}, {"anyOf": {}}):
+        bad = {"type": "function", "function": {"name": "f", "parameters": params}}
+        with pytest.raises(ValidationError, match="invalid JSON schema: at ") as e:
+            ChatCompletionRequest(messages=msgs, tools=[bad], tool_choice="required")
+        assert e.value.errors()[0]["loc"] == ("tools", 0, "function", "parameters")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, field in (("required", {"min_tokens": 2}), (named, {"ignore_eos": True})):
+        req = ChatCompletionRequest(messages=msgs, tools=TOOLS, tool_choice=choice, **field)
+        with pytest.raises(APIError, match="cannot be combined with") as e:
+            ChatParsing(ParsingOptions(), req, "")
+        assert e.value.param == next(iter(field))
 
 
 # ---- a live server ---------------------------------------------------------------------------
@@ -216,6 +276,7 @@ def test_auto_passes_a_plain_answer_through(oai):
 
 BAD_TOOL = {"type": "function", "function": {"name": "bad", "parameters": {"type": "strnig"}}}
 NAMED_BAD = {"type": "function", "function": {"name": "bad"}}
+MALFORMED_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}
 
 
 def test_tool_request_errors(oai):
@@ -223,6 +284,8 @@ def test_tool_request_errors(oai):
 
     cases = [
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [MALFORMED_TOOL], "tool_choice": "required"}, "tools[0].function.parameters"),
+        ({"tool_choice": "required", "extra_body": {"min_tokens": 2}}, "min_tokens"),
         ({"tools": openai.NOT_GIVEN, "tool_choice": "required"}, "tool_choice"),
         ({"tools": []}, "tools"),
         ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools"),

@@ -143,3 +143,26 @@ def test_a_known_grammar_is_ready_at_once_a_new_one_compiles_in_the_pool(tiny_sm
     assert not failed
     assert sorted(s[0].request_id for s in ready) == ["first", "ids", "other", "same"]
     assert so.masks["same"].matcher is not None and so.masks["ids"].matcher is None
+
+
+def test_json_object_is_an_object_and_compact_when_asked(tiny_smol):
+    """json_object compiles the schema {"type": "object"} (OpenAI's JSON mode, vLLM's
+    xgrammar backend): never an array or a scalar; disable_any_whitespace leaves only the
+    ", " and ": " separators."""
+    from transformers import AutoTokenizer
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from paged.sampling.params import StructuredOutputsParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_smol)
+    so = StructuredOutputs(lambda: tok, len(tok), (tok.eos_token_id,))
+    so._tok()
+
+    def accepts(compact: bool) -> list[bool]:
+        sp = StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
+        grammar = so._compile(sp).grammar
+        texts = ('{"a": 1}', '{"a": [1, {"b": null}]}', "[1]", "1", '{ "a" : 1 }', '{"a":1}')
+        return [_is_grammar_accept_string(grammar, t) for t in texts]
+
+    assert accepts(False) == [True, True, False, False, True, True]
+    assert accepts(True) == [True, True, False, False, False, False]

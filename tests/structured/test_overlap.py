@@ -1,6 +1,6 @@
 """Grammar-constrained requests in overlapped steps (the next step's forward is queued before
 this step's tokens are resolved; the matchers take the token in flight early), and grammars
-against min_tokens."""
+against min_tokens (refused)."""
 
 from __future__ import annotations
 
@@ -77,13 +77,19 @@ def test_steps_stay_overlapped_while_masked_requests_run(overlapped):
     assert tokens >= 5 and overlapped_steps >= tokens - 1  # each step but the last
 
 
-def test_a_finished_grammar_ends_the_request_despite_min_tokens(overlapped):
-    """The grammar allows only the end once its string is complete: min_tokens does not stop
-    it (no error, no token outside the grammar)."""
-    p = so(choice=["yes", "no"], max_tokens=32)
-    p.min_tokens = 20
-    out = overlapped.generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.text in ("yes", "no")
+def test_min_tokens_and_ignore_eos_are_refused_beside_a_grammar(overlapped):
+    """A grammar ends the output once complete (it allows only the end): neither min_tokens
+    nor ignore_eos could be honoured, so both are refused, also when set on params after
+    they were validated (the engine validates again)."""
+    grammar = StructuredOutputsParams(choice=["a"])
+    for field, value in (("min_tokens", 2), ("ignore_eos", True)):
+        with pytest.raises(ValueError, match=f"^{field}: cannot be combined with a structured"):
+            SamplingParams(structured_outputs=grammar, **{field: value})
+        p = so(choice=["yes", "no"], max_tokens=32)
+        setattr(p, field, value)
+        with pytest.raises(ValueError, match=f"^{field}: cannot be combined with a structured"):
+            overlapped.generate([PROMPT], p, use_tqdm=False)
+    assert len(overlapped.engine.structured) == 0 and not overlapped.engine.has_unfinished()
 
 
 def test_a_failed_mask_fill_fails_its_step_only(overlapped, monkeypatch):

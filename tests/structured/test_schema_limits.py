@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from paged.sampling.params import StructuredOutputsParams
-from paged.sampling.schema_limits import unenforced
+from paged.sampling.schema_limits import malformed, unenforced
 from paged.sampling.structured import check_spec
 
 TAGS = {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 8}}
@@ -37,6 +37,27 @@ def test_check_spec_names_the_field_and_the_place():
     sp = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"t": TAGS}}))
     with pytest.raises(ValueError, match=r"^guided_json: at properties\.t\.items: 'maxLength' "
                        r"beside 'pattern': .*cannot enforce it"):  # fmt: skip
+        check_spec(sp, "guided_json")
+
+
+def test_malformed_shapes_are_found_where_they_are():
+    """What xgrammar would skip (an unreferenced `$defs: [1]` compiles) or our own walks would
+    trip on: refused, with where it is."""
+    cases = [
+        ({"type": "object", "$defs": [1]}, "$defs"),
+        ({"definitions": {"X": 3}}, "definitions.X"),
+        ({"properties": {"a": {"items": [{"anyOf": {}}]}}}, "properties.a.items[0].anyOf"),
+        ({"$ref": 5}, "$ref"),
+        ({"required": "a"}, "required"),
+        ({"not": "x"}, "not"),
+        ([1], ""),
+    ]
+    assert [(malformed(s) or ("ok",))[0] for s, _ in cases] == [w for _, w in cases]
+    fine = {"type": "object", "properties": {"required": {"type": "string"}, "a": True},
+            "$defs": {"X": {"anyOf": [{"$ref": "#/$defs/X"}, False]}}, "items": [{}]}  # fmt: skip
+    assert malformed(fine) is None
+    sp = StructuredOutputsParams(json={"type": "object", "$defs": {"X": 3}})
+    with pytest.raises(ValueError, match=r"^guided_json: invalid JSON schema: at \$defs\.X: "):
         check_spec(sp, "guided_json")
 
 

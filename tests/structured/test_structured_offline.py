@@ -79,7 +79,7 @@ def test_regex_choice_grammar_json_object(llm, oracle):
     assert ok
     if outs[2].finish_reason == "stop":
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", outs[2].text)
-    json_any = oracle.compiler.compile_builtin_json_grammar()
+    json_any = oracle.compiler.compile_json_schema('{"type": "object"}')
     ok, done = oracle.accepts(json_any, outs[3].token_ids)
     assert ok and outs[3].text.lstrip().startswith("{")
     if outs[3].finish_reason == "stop":
@@ -141,6 +141,9 @@ def test_invalid_specs_name_the_field(llm):
         llm.generate([PROMPT], so(grammar="root ::= "), use_tqdm=False)
     with pytest.raises(ValueError, match=r"^structured_outputs: exactly one of"):
         StructuredOutputsParams(regex="a", choice=["a"])
+    for kw in ({"min_tokens": 2}, {"ignore_eos": True}):  # the grammar ends the output
+        with pytest.raises(ValueError, match=f"^{next(iter(kw))}: cannot be combined with a s"):
+            SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a"]), **kw)
     with pytest.raises(ValueError, match=r"^allowed_token_ids: token id 999999"):
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[999999]), use_tqdm=False)
     no_leak(llm)

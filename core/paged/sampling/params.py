@@ -66,6 +66,17 @@ class StructuredOutputsParams:
         return "" if self.kind == "json_object" else v
 
 
+def check_structured_stop(min_tokens: int, ignore_eos: bool, what: str) -> None:
+    """ValueError naming min_tokens or ignore_eos when set beside `what` (a structured output):
+    its grammar ends the output once complete (it allows only the end then, as in vLLM), so
+    neither a minimum length nor going on past the end could be honoured."""
+    why = "the grammar ends the output once it is complete"
+    if min_tokens > 0:
+        raise ValueError(f"min_tokens: cannot be combined with {what} ({why}); leave it 0")
+    if ignore_eos:
+        raise ValueError(f"ignore_eos: cannot be combined with {what} ({why})")
+
+
 class RequestOutputKind(enum.IntEnum):
     """What LLM.stream gives for a request (vLLM's): everything so far, what is new, or the
     final output only."""
@@ -171,6 +182,8 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            check_structured_stop(self.min_tokens, self.ignore_eos, "a structured output")
         if self.structured_outputs_after is not None:
             ids = self.structured_outputs_after
             if not ids or any(not isinstance(t, int) or t < 0 for t in ids):

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from paged.sampling.params import SamplingParams, StructuredOutputsParams
-from paged.sampling.schema_limits import unenforced
+from paged.sampling.schema_limits import malformed, unenforced
 
 if TYPE_CHECKING:
     from paged.scheduled import TokenBitmask
@@ -35,6 +35,7 @@ log = logging.getLogger("paged")
 BACKENDS = ("auto", "xgrammar", "llguidance")
 COMPILE_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse
 KEEP_COMPILED = 32  # the last grammars used: their requests skip the compile pool
+JSON_OBJECT = '{"type": "object"}'  # json_object's schema: any object, never an array
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] [^\s:]+:\d+: ")  # "[16:36:30] /project/x.cc:94: "
 
 
@@ -77,6 +78,9 @@ def check_spec(sp: StructuredOutputsParams, field: str) -> None:
     if kind == "json_object":
         return
     text = choice_ebnf(sp.choice) if kind == "choice" else sp.spec
+    if kind == "json" and (found := _malformed(text)) is not None:
+        where, why = found
+        raise ValueError(f"{field}: invalid JSON schema: at {where or 'the root'}: {why}")
     try:
         _parse(kind, text)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError
@@ -87,6 +91,12 @@ def check_spec(sp: StructuredOutputsParams, field: str) -> None:
         where, what = found
         raise ValueError(f"{field}: at {where or 'the root'}: {what}: the structured-outputs "
                          "backend (xgrammar) cannot enforce it; remove it")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _malformed(text: str) -> tuple[str, str] | None:
+    """Where a JSON schema's shape is wrong (xgrammar skips what no `$ref` reaches)."""
+    return malformed(json.loads(text))
 
 
 @functools.lru_cache(maxsize=512)
@@ -376,8 +386,10 @@ class StructuredOutputs:
         kind = sp.kind
         if kind == "json":
             compiled = c.compile_json_schema(sp.spec, any_whitespace=not sp.disable_any_whitespace)
-        elif kind == "json_object":
-            compiled = c.compile_builtin_json_grammar()
+        elif kind == "json_object":  # an object, as OpenAI's JSON mode (and vLLM's xgrammar)
+            compiled = c.compile_json_schema(
+                JSON_OBJECT, any_whitespace=not sp.disable_any_whitespace
+            )
         elif kind == "regex":
             compiled = c.compile_regex(sp.regex)
         elif kind == "choice":

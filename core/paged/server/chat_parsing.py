@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged.server.errors import APIError
+from paged.sampling.params import check_structured_stop
+from paged.sampling.schema_limits import rebase_refs
+from paged.server.errors import APIError, bad_request
 from paged.server.protocol import ChatCompletionRequest, NamedToolChoice
 from paged.server.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningStreamer
 from paged.server.tool_parsers import (
@@ -51,19 +53,17 @@ def effective_tool_choice(req: ChatCompletionRequest) -> str | NamedToolChoice:
 
 def required_schema(req: ChatCompletionRequest) -> dict[str, Any]:
     """vLLM's schema for tool_choice "required": an array of {name, parameters}, one of the
-    tools each ($defs of all tools gathered at the top)."""
-    defs: dict[str, Any] = {}
+    tools each. A tool's root-relative `$ref`s ("#/$defs/X", "#/definitions/X", "#") are
+    pointed at its parameters' place in this schema, so tools defining the same name
+    differently keep their own (vLLM gathers `$defs` at the top and refuses such clashes)."""
     variants = []
-    for t in req.tools or []:
-        params = dict(t.function.parameters or EMPTY_PARAMETERS)
-        for name, schema in params.pop("$defs", {}).items():
-            if defs.setdefault(name, schema) != schema:
-                raise APIError(400, f"tools: $defs {name!r} differs between tools", "tools")
+    for i, t in enumerate(req.tools or []):
+        params = t.function.parameters or EMPTY_PARAMETERS
         variants.append(
             {
                 "properties": {
                     "name": {"type": "string", "enum": [t.function.name]},
-                    "parameters": params,
+                    "parameters": rebase_refs(params, f"#/items/anyOf/{i}/properties/parameters"),
                 },
                 "required": ["name", "parameters"],
             }
@@ -75,8 +75,6 @@ def required_schema(req: ChatCompletionRequest) -> dict[str, Any]:
     }
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
 
 
@@ -111,6 +109,13 @@ class ChatParsing:
         elif choice == "auto":
             assert opts.tool_call_parser is not None
             self.tool_parser = TOOL_PARSERS[opts.tool_call_parser](req.tools)  # their schemas
+        if self.schema is not None:  # enforced by a grammar: refused as SamplingParams does
+            named = isinstance(choice, NamedToolChoice)
+            what = "a named tool choice" if named else 'tool_choice "required"'
+            try:
+                check_structured_stop(req.min_tokens, req.ignore_eos, what)
+            except ValueError as e:
+                raise bad_request(e) from None
         self.max_calls = 1 if req.parallel_tool_calls is False else None
         self.eos_text: str | None = None  # cut off the end (see keep_special_tokens)
         self.reasoning: ReasoningParser | None = None

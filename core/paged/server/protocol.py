@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from paged.sampling.params import SamplingParams, StructuredOutputsParams
+from paged.sampling.schema_limits import malformed
 
 MAX_N = 128  # sequences per prompt
 MAX_LIST = 1024  # stop_token_ids, logit_bias entries
@@ -246,7 +256,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False  # the prompt before the completion (with its logprobs when asked)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None  # not a boolean (chat's)
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # keep the n most likely of best_of
     suffix: str | None = None  # refused: no fill-in-the-middle template
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
@@ -273,11 +283,29 @@ class TextPart(OpenAIModel):
 MAX_TOOLS = 512  # tools per request
 
 
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
 class FunctionDefinition(OpenAIModel):
-    name: Annotated[str, Field(min_length=1, max_length=256)]
+    name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema
     strict: bool | None = None  # the schema is always enforced for required / named choices
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not TOOL_NAME.fullmatch(name):
+            raise ValueError("must be 1 to 64 letters, digits, underscores or dashes")
+        return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_shape(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None and (found := malformed(schema)) is not None:
+            where, why = found
+            raise ValueError(f"invalid JSON schema: at {where or 'the root'}: {why}")
+        return schema
 
 
 class ChatCompletionTool(OpenAIModel):
@@ -320,10 +348,13 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _has_content(self) -> ChatMessage:
-        """Only an assistant message may leave content out (its tool_calls, or a prefix)."""
+        """Only an assistant message may leave content out (its tool_calls, or a prefix); a
+        tool message names the call it answers (as OpenAI requires)."""
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content: missing (a string or a list of parts): a {self.role} "
                              "message needs it")  # fmt: skip
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: missing: a tool message needs the id of its call")
         return self
 
     def as_template_input(self, index: int) -> dict[str, Any]:
@@ -403,7 +434,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     add_generation_prompt: bool = True
     tools: Tools | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = True  # false: at most one call
+    parallel_tool_calls: StrictBool | None = True  # false: at most one call
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's; not with stream
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the rendered prompt's last k
     # vLLM's: at most this many tokens of reasoning, then the reasoning parser's end marker is
