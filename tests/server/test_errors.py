@@ -51,6 +51,34 @@ def test_chat_bad_fields(http):
     assert e["param"] == "presence_penalty"
 
 
+@pytest.mark.parametrize(
+    "route, body, param",
+    [  # no token can continue: found by the engine's first step
+        ("/v1/completions", {"prompt": "hi", "guided_choice": ["yes"], "allowed_token_ids": [0]},
+         "guided_choice"),
+        ("/v1/chat/completions",
+         {"messages": CHAT, "structured_outputs": {"grammar": "root ::= root"}},
+         "structured_outputs.grammar"),
+    ],
+)  # fmt: skip
+def test_engine_refusal_is_the_same_4xx_streamed(http, route, body, param):
+    """A request the engine refuses is a 400 naming the field as sent, with or without
+    stream: never a 200 whose stream holds the error (the OpenAI SDK takes that for success)."""
+    body = body | {"max_tokens": 2}
+    e = err(http.post(route, json=body), 400)
+    assert e["param"] == param and e["message"].startswith(f"{param}: no token"), e
+    r = http.post(route, json=body | {"stream": True})
+    assert r.headers["content-type"] == "application/json", r.text
+    assert err(r, 400) == e
+
+
+def test_engine_refusal_raises_in_the_sdk_stream(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=None, prompt="hi", max_tokens=2, stream=True,
+                                  extra_body={"guided_regex": "\x16"})  # fmt: skip
+    assert e.value.body["param"] == "guided_regex", e.value.body
+
+
 def test_malformed_json_and_content(http):
     r = http.post(
         "/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"}

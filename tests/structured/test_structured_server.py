@@ -180,6 +180,9 @@ BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "array", "items": {"type": "string", "pattern": "^a+$", "maxLength": 3}}}}},
      "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "object", "$defs": [1]}}, "guided_json"),  # xgrammar skips it
+    ({"guided_choice": ["yes", "no"], "min_tokens": 5}, "min_tokens"),  # the grammar ends it
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
@@ -189,7 +192,7 @@ BAD = [
     ({"allowed_token_ids": [5, 2**70]}, "allowed_token_ids"),  # beyond any int the pipe carries
     ({"bad_words": [""]}, "bad_words"),
     # valid, but asks for a byte no token of SmolLM2's vocabulary holds: found while generating
-    ({"guided_choice": ["\x16"]}, "structured_outputs"),
+    ({"guided_choice": ["\x16"]}, "guided_choice"),
 ]  # fmt: skip
 
 
@@ -214,5 +217,5 @@ def test_a_constraint_no_token_can_meet_is_a_client_error_in_a_stream(server):
     events = [json.loads(ln[6:]) for ln in r.text.splitlines()[:-1] if ln.startswith("data: {")]
     err = events[-1]["error"]  # after "ok": no token produces the byte 0x16
     assert r.status_code == 200 and err["type"] == "invalid_request_error", events
-    assert err["param"] == "structured_outputs" and "tokenizer cannot produce" in err["message"]
+    assert err["param"] == "guided_regex" and "tokenizer cannot produce" in err["message"]
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices")) == "ok"

@@ -176,11 +176,13 @@ class LLM:
         check_sampling_params(sampling_params)
         template = load_chat_template(chat_template) or self.chat_template
         prompts = []
+        from paged.engine.chat_render import apply_chat_template  # tools the template drops
+
         for conv in convs:
             try:
-                text = self.tokenizer.apply_chat_template(
+                text = apply_chat_template(  # tools it drops in the messages (hermes format)
+                    self.tokenizer,
                     conv,
-                    tokenize=False,
                     add_generation_prompt=add_generation_prompt,
                     chat_template=template,
                     continue_final_message=continue_final_message,

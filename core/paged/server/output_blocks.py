@@ -15,7 +15,7 @@ from paged.engine.async_engine import SeqUpdate
 from paged.server.chat_parsing import ChatParsing, ChatStreamer
 from paged.server.errors import APIError
 from paged.server.protocol import ChatCompletionRequest
-from paged.server.serving import Prompt, Serving, api_error
+from paged.server.serving import Prompt, Serving, Updates, api_error, constraint_field
 from paged.server.serving_chat import _adjust
 
 
@@ -29,16 +29,34 @@ def named_sse(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def _match(param: str, names: dict[str, str]) -> tuple[re.Match, str] | None:
+    """The start of chat's field name `param` that `names` renames, and its new name."""
+    for pattern, name in names.items():
+        m = re.match(pattern + r"(?=$|[.\[])", param)
+        if m:
+            return m, m.expand(name)
+    return None
+
+
 def renamed(e: APIError, names: dict[str, str]) -> APIError:
     """The error with chat's field names (max_tokens, messages, ...) as this API spells them:
     `names` maps a regular expression matching the start of chat's name to this API's."""
-    for pattern, name in names.items():
-        m = re.match(pattern + r"(?=$|[.\[])", e.param or "")
-        if m:
-            param = m.expand(name) + e.param[m.end() :]
-            message = e.message.replace(m.group(0), m.expand(name), 1)
-            return APIError(e.status, message, param, e.code, e.type)
-    return e
+    found = _match(e.param or "", names)
+    if found is None:
+        return e
+    m, name = found
+    param = name + e.param[m.end() :]
+    message = e.message.replace(m.group(0), name, 1)
+    return APIError(e.status, message, param, e.code, e.type)
+
+
+def renamed_field(param: str | None, names: dict[str, str]) -> str | None:
+    """Chat's field name as this API spells it."""
+    found = _match(param or "", names)
+    if param is None or found is None:
+        return param
+    m, name = found
+    return name + param[m.end() :]
 
 
 async def prepare(
@@ -53,7 +71,8 @@ async def prepare(
         )
         parsing = ChatParsing(sv.parsing, req, text)
         params = _adjust(sv, req, parsing, params)
-        return sv.fit(text, ids, params, "messages"), parsing
+        constraint = renamed_field(constraint_field(req, params), names)
+        return sv.fit(text, ids, params, "messages", constraint), parsing
     except APIError as e:
         raise renamed(e, names) from None
 
@@ -170,8 +189,9 @@ async def final_update(sv: Serving, rid: str, prompt: Prompt) -> tuple[SeqUpdate
 
 
 async def stream_events(
-    sv: Serving, rid: str, prompt: Prompt, blocks: BlockStream
+    sv: Serving, rid: str, prompt: Prompt, blocks: BlockStream, updates: Updates | None = None
 ) -> AsyncIterator[tuple[list[Event], SeqUpdate]]:
-    """Each update's block events (the last update closes the open block)."""
-    async for _, u in sv.generate(rid, [prompt]):
+    """Each update's block events (the last update closes the open block). `updates`:
+    Serving.stream's (default: generated here)."""
+    async for _, u in updates or sv.generate(rid, [prompt]):
         yield blocks.feed(u.state.text_delta(), u.state.finished), u

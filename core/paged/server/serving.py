@@ -41,7 +41,11 @@ CURRENT_USER: ContextVar[str | None] = ContextVar("paged_user", default=None)
 # The model name the current request used (a served name or an adapter): what it reports
 CURRENT_MODEL: ContextVar[str | None] = ContextVar("paged_model", default=None)
 T = TypeVar("T")
+Updates = AsyncIterator[tuple[int, SeqUpdate]]  # (prompt index, update): Serving.generate's
 CHARS_PER_TOKEN = 32  # default prompt-size bound: far above any tokenizer's real ratio
+# The request fields that ask for structured outputs (protocol.py), as the client spelled them.
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")  # fmt: skip
 
 
 # json.dumps with options builds a JSONEncoder per call; a shared one writes the same text, a
@@ -90,6 +94,40 @@ def api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal server error ({type(e).__name__})")
 
 
+def structured_field(req: SamplingRequest) -> str | None:
+    """The field by which the request asked for a structured output (None: none did)."""
+    for f in STRUCTURED_FIELDS:
+        v = getattr(req, f, None)
+        if v is not None and not (f == "response_format" and v.type == "text"):
+            return f
+    return None
+
+
+def constraint_field(req: SamplingRequest, params: SamplingParams) -> str | None:
+    """The field that constrains the output's tokens, as the client sent it (guided_choice,
+    structured_outputs.grammar, ...): the engine names it `structured_outputs` in a refusal
+    (a grammar that does not compile, no token that can continue), whatever the client sent."""
+    sp = params.structured_outputs
+    if sp is None:  # masks without a grammar: only bad words need the engine's tokenizer
+        return "bad_words" if params.bad_words else None
+    f = structured_field(req)
+    if f is None:  # chat's required or named tool choice (serving_chat._adjust)
+        return "tool_choice"
+    if f == "response_format":
+        return "response_format.json_schema.schema" if sp.kind == "json" else f
+    return f"structured_outputs.{sp.kind}" if f == "structured_outputs" else f
+
+
+def as_sent(e: ValueError, constraint: str | None) -> APIError:
+    """An engine refusal as a 400 naming the field as the client sent it (`constraint`
+    for the engine's structured_outputs, see constraint_field)."""
+    err = bad_request(e)
+    p = err.param or ""
+    if constraint and (p == "structured_outputs" or p.startswith("structured_outputs.")):
+        return APIError(400, constraint + err.message[len(p) :], constraint)
+    return err
+
+
 @dataclasses.dataclass
 class Prompt:
     text: str | None
@@ -97,6 +135,7 @@ class Prompt:
     params: SamplingParams  # max_tokens fitted to this prompt
     lora: LoRARequest | None = None  # the adapter the request's `model` named
     user: str | None = None  # the end user the request named (its `user` field)
+    constraint: str | None = None  # constraint_field: the engine's refusals name it
 
 
 class Serving:
@@ -211,8 +250,16 @@ class Serving:
         self.check_ids(p.allowed_token_ids or [], "allowed_token_ids")  # before the engine's pipe
         return p
 
-    def fit(self, text: str | None, ids: list[int], params: SamplingParams, field: str) -> Prompt:
-        """The prompt with max_tokens fitted to the context, or a 400 with the counts."""
+    def fit(
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        field: str,
+        constraint: str | None = None,
+    ) -> Prompt:
+        """The prompt with max_tokens fitted to the context, or a 400 with the counts.
+        `constraint`: the request's constraint_field."""
         limit, n = self.max_model_len, len(ids)
         if n == 0:
             raise APIError(400, f"{field}: must not be empty", field)
@@ -238,7 +285,7 @@ class Serving:
                 params = dataclasses.replace(params, max_tokens=most)
             except ValueError as e:
                 raise bad_request(e) from None
-        return Prompt(text, ids, params, CURRENT_LORA.get(), CURRENT_USER.get())
+        return Prompt(text, ids, params, CURRENT_LORA.get(), CURRENT_USER.get(), constraint)
 
     # ---- chat templates ----------------------------------------------------------------
     async def render_chat(
@@ -272,13 +319,16 @@ class Serving:
         tools: list | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ):
+        from paged.engine.chat_render import apply_chat_template  # tools the template drops
+
         try:
-            text = tok.apply_chat_template(
+            text = apply_chat_template(
+                tok,
                 conv,
                 tools=tools,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.chat_template,
+                tool_parser=self.parsing.tool_call_parser,
                 **(template_kwargs or {}),
             )
         except Exception as e:  # jinja TemplateError, no template, raise_exception(...)
@@ -289,49 +339,77 @@ class Serving:
         return text, tok(text, add_special_tokens=False).input_ids
 
     # ---- generation --------------------------------------------------------------------
-    async def generate(
-        self, request_id: str, prompts: list[Prompt]
-    ) -> AsyncIterator[tuple[int, SeqUpdate]]:
-        """(prompt index, update) from every prompt's request, as they come."""
-        if len(prompts) == 1:
-            p = prompts[0]
-            async for u in self.engine.generate(request_id, p.ids, p.params, p.lora, p.user):
-                yield 0, u
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int, p: Prompt) -> None:
-            try:
-                rid = f"{request_id}-p{k}"
-                async for u in self.engine.generate(rid, p.ids, p.params, p.lora, p.user):
-                    q.put_nowait((k, u))
-                q.put_nowait((k, None))
-            except BaseException as e:
-                q.put_nowait((k, e))
-                raise
-
-        tasks = [asyncio.create_task(pump(k, p)) for k, p in enumerate(prompts)]
-        left = len(tasks)
+    async def generate(self, request_id: str, prompts: list[Prompt]) -> Updates:
+        """(prompt index, update) from every prompt's request, as they come. The engine's
+        refusals raise as APIErrors naming the field as the client sent it."""
         try:
-            while left:
-                k, item = await q.get()
-                if item is None:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield k, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            if len(prompts) == 1:
+                p = prompts[0]
+                async for u in self.engine.generate(request_id, p.ids, p.params, p.lora, p.user):
+                    yield 0, u
+                return
+            q: asyncio.Queue = asyncio.Queue()
+
+            async def pump(k: int, p: Prompt) -> None:
+                try:
+                    rid = f"{request_id}-p{k}"
+                    async for u in self.engine.generate(rid, p.ids, p.params, p.lora, p.user):
+                        q.put_nowait((k, u))
+                    q.put_nowait((k, None))
+                except BaseException as e:
+                    q.put_nowait((k, e))
+                    raise
+
+            tasks = [asyncio.create_task(pump(k, p)) for k, p in enumerate(prompts)]
+            left = len(tasks)
+            try:
+                while left:
+                    k, item = await q.get()
+                    if item is None:
+                        left -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        yield k, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        except ValueError as e:
+            raise as_sent(e, prompts[0].constraint) from None
+
+    async def stream(self, request_id: str, prompts: list[Prompt]) -> Updates:
+        """`generate` for a streamed response, its first update already in: an error the
+        engine finds before it (a model that only pools, a grammar that does not compile,
+        constraints no token can continue) raises here, a 4xx before the response head as
+        without stream, not an error event after a 200. So the head leaves with the first
+        token; errors after it (the engine gone, a constraint broken later) end the stream
+        with an error event."""
+        updates = self.generate(request_id, prompts)
+        try:
+            first = await anext(updates, None)
+        except Exception as e:
+            raise api_error(e) from None
+        return _chain(first, updates)
+
+
+async def _chain(first: tuple[int, SeqUpdate] | None, rest: Updates) -> Updates:
+    """`first` (None: nothing came), then the rest."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 class SSEResponse(StreamingResponse):
     """Server-sent events; the body generator is always closed, so that a client that
     went away aborts its requests however the stream ended. The body starts before the
-    response head is written: its request reaches the engine first (the head, uvicorn's
-    access log and the stream's set-up then overlap the engine's steps, not add to TTFT)."""
+    response head is written: a body whose request has not reached the engine sends it
+    first (the head, uvicorn's access log and the stream's set-up then overlap the engine's
+    steps). The routes' bodies come with the engine's first update in (Serving.stream)."""
 
     media_type = "text/event-stream"
 

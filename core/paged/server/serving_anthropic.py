@@ -25,7 +25,7 @@ from paged.server.output_blocks import (
     stream_events,
 )
 from paged.server.protocol import ChatCompletionRequest
-from paged.server.serving import Prompt, Serving, SSEResponse, api_error
+from paged.server.serving import Prompt, Serving, SSEResponse, Updates, api_error
 
 PATH = "/v1/messages"
 NAMES = {  # chat's field names (regular expressions) -> this API's
@@ -85,8 +85,9 @@ async def create_message(sv: Serving, req: MessagesRequest) -> dict[str, Any] | 
     chat = _chat(req, sv)
     prompt, parsing = await prepare(sv, chat, NAMES)
     rid = hex_id("msg")
-    if req.stream:
-        return SSEResponse(_stream(sv, rid, prompt, BlockStream(parsing, "toolu")))
+    if req.stream:  # the engine's first update in: its refusal is a 4xx, not an event
+        updates = await sv.stream(rid, [prompt])
+        return SSEResponse(_stream(sv, rid, prompt, BlockStream(parsing, "toolu"), updates))
     u, cached = await final_update(sv, rid, prompt)
     blocks, called = full_blocks(parsing, u.state.out.text, "toolu")
     return (
@@ -155,13 +156,16 @@ def _delta(e: Event) -> dict[str, Any]:
     return {"type": "input_json_delta", "partial_json": e.delta}
 
 
-async def _stream(sv: Serving, rid: str, prompt: Prompt, blocks: BlockStream) -> AsyncIterator[str]:
+async def _stream(
+    sv: Serving, rid: str, prompt: Prompt, blocks: BlockStream, updates: Updates | None = None
+) -> AsyncIterator[str]:
+    """`updates`: Serving.stream's (default: generated here)."""
     n_prompt = len(prompt.ids)
     start = _message(sv, rid, []) | {"stop_reason": None, "stop_sequence": None}
     yield event("message_start", {"message": start | {"usage": _usage(n_prompt, 0, 0)}})
     yield event("ping", {})
     try:
-        async for events, u in stream_events(sv, rid, prompt, blocks):
+        async for events, u in stream_events(sv, rid, prompt, blocks, updates):
             for e in events:
                 if e.what == "open":
                     yield event(

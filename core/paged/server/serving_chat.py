@@ -19,16 +19,15 @@ from paged.server.serving import (
     Prompt,
     Serving,
     SSEResponse,
+    Updates,
     api_error,
+    constraint_field,
     new_id,
     sse,
     sse_error,
+    structured_field,
     usage,
 )
-
-# The request fields that ask for structured outputs (protocol.py), as the client spelled them.
-STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar")  # fmt: skip
 
 
 async def create_chat_completion(
@@ -61,13 +60,14 @@ async def create_chat_completion(
     keep = req.truncate_prompt_tokens
     if keep is not None and len(ids) > keep:  # the rendered prompt's last `keep` tokens
         ids, text = ids[-keep:], None
-    prompt = sv.fit(text, ids, params, "messages")
+    prompt = sv.fit(text, ids, params, "messages", constraint_field(req, params))
     rid = new_id("chatcmpl")
     if req.use_beam_search:  # n best beams (server/beam.py)
         beams = await run_beam_search(sv, rid, prompt, req)
         return beam_response(sv, req, rid, prompt, beams, True)
-    if req.stream:
-        return SSEResponse(_stream(sv, req, rid, prompt, parsing))
+    if req.stream:  # the engine's first update in: its refusal is a 4xx, not an event
+        updates = await sv.stream(rid, [prompt])
+        return SSEResponse(_stream(sv, req, rid, prompt, parsing, updates))
     return await _full(sv, req, rid, prompt, parsing)
 
 
@@ -80,7 +80,7 @@ def _adjust(
     if parsing.schema is not None:
         if params.structured_outputs is not None:
             msg = "tool_choice: a required or named tool choice cannot be combined with "
-            msg += _structured_field(req)
+            msg += structured_field(req) or "structured_outputs"
             raise APIError(400, msg, "tool_choice")
         # Compact JSON: calls are read by programs, and free whitespace lets a model pad
         # without end.
@@ -105,15 +105,6 @@ def _adjust(
     if params.skip_special_tokens and parsing.keep_special_tokens(sv.tokenizer):
         params = dataclasses.replace(params, skip_special_tokens=False)
     return params
-
-
-def _structured_field(req: ChatCompletionRequest) -> str:
-    """The field by which the request asked for a structured output."""
-    for f in STRUCTURED_FIELDS:
-        v = getattr(req, f, None)
-        if v is not None and not (f == "response_format" and v.type == "text"):
-            return f
-    return "structured_outputs"
 
 
 def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
@@ -168,7 +159,9 @@ async def _stream(
     rid: str,
     prompt: Prompt,
     parsing: ChatParsing | None = None,
+    updates: Updates | None = None,
 ) -> AsyncIterator[str]:
+    """`updates`: Serving.stream's (default: generated here)."""
     parsing = parsing or ChatParsing(ParsingOptions(), req, prompt.text)
     head = _head(sv, rid, "chat.completion.chunk")
     with_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -192,7 +185,7 @@ async def _stream(
     started: set[int] = set()
     streams: dict[int, ChatStreamer] = {}
     try:
-        async for _, u in sv.generate(rid, [prompt]):
+        async for _, u in updates or sv.generate(rid, [prompt]):
             if u.index not in started:  # the role with the first token, as vLLM sends it
                 started.add(u.index)
                 yield chunk(u.index, {"role": "assistant", "content": ""})

@@ -16,7 +16,9 @@ from paged.server.serving import (
     Prompt,
     Serving,
     SSEResponse,
+    Updates,
     api_error,
+    constraint_field,
     new_id,
     sse,
     sse_error,
@@ -37,6 +39,7 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
         raise APIError(400, "best_of: not supported with stream (as in vLLM)", "best_of")
     check_beam_request(req)
     params = with_best_of_logprobs(sv.params(req, req.max_tokens, req.logprobs))
+    constraint = constraint_field(req, params)
     raw = req.prompt
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
@@ -61,12 +64,13 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
             ids = list(p)
         if keep is not None and len(ids) > keep:  # the last `keep` tokens: text from those
             ids, text = ids[-keep:], None
-        prompts.append(sv.fit(text, ids, params, "prompt"))
+        prompts.append(sv.fit(text, ids, params, "prompt", constraint))
     rid = new_id("cmpl")
     if req.use_beam_search:
         return await _beam(sv, req, rid, prompts)
-    if req.stream:
-        return SSEResponse(_stream(sv, req, rid, prompts))
+    if req.stream:  # the engine's first update in: its refusal is a 4xx, not an event
+        updates = await sv.stream(rid, prompts)
+        return SSEResponse(_stream(sv, req, rid, prompts, updates))
     return await _full(sv, req, rid, prompts)
 
 
@@ -157,8 +161,13 @@ async def _full(
 
 
 async def _stream(
-    sv: Serving, req: CompletionRequest, rid: str, prompts: list[Prompt]
+    sv: Serving,
+    req: CompletionRequest,
+    rid: str,
+    prompts: list[Prompt],
+    updates: Updates | None = None,
 ) -> AsyncIterator[str]:
+    """`updates`: Serving.stream's (default: generated here)."""
     n, head = req.n, _head(sv, rid)
     opts = req.stream_options
     with_usage = opts is not None and opts.include_usage
@@ -206,7 +215,7 @@ async def _stream(
                 for i in range(n):
                     started.add(k * n + i)
                     yield chunk(k * n + i, _prompt_text(sv, prompts[k]))
-        async for k, u in sv.generate(rid, prompts):
+        async for k, u in updates or sv.generate(rid, prompts):
             eo, index = u.output, k * n + u.index
             kept = u.state.kept  # a stop string inside several new tokens ends them there
             completion += kept

@@ -30,7 +30,7 @@ from paged.server.output_blocks import (
 )
 from paged.server.protocol import ChatCompletionRequest
 from paged.server.responses_protocol import ResponsesRequest
-from paged.server.serving import Prompt, Serving, SSEResponse, api_error
+from paged.server.serving import Prompt, Serving, SSEResponse, Updates, api_error
 
 NAMES = {  # chat's field names (regular expressions) -> this API's
     r"messages": "input",
@@ -94,20 +94,25 @@ class ResponseStore:
             raise renamed(validation_error(RequestValidationError(e.errors())), NAMES) from None
         prompt, parsing = await prepare(sv, chat, NAMES)
         r = Run(sv, req, hex_id("resp"), conversation)
-        if req.stream:
-            return SSEResponse(self._stream(r, prompt, BlockStream(parsing, "call")))
+        if req.stream:  # the engine's first update in: its refusal is a 4xx, not an event
+            updates = await sv.stream(r.rid, [prompt])
+            blocks = BlockStream(parsing, "call")
+            return SSEResponse(self._stream(r, prompt, blocks, updates))
         u, cached = await final_update(sv, r.rid, prompt)
         blocks, _ = full_blocks(parsing, u.state.out.text, "call")
         done = r.response(u, [r.item(i, b, u) for i, b in enumerate(blocks)], prompt, cached)
         self._keep(req, Stored(done, r.conversation_after(blocks)))
         return done
 
-    async def _stream(self, r: Run, prompt: Prompt, blocks: BlockStream) -> AsyncIterator[str]:
+    async def _stream(
+        self, r: Run, prompt: Prompt, blocks: BlockStream, updates: Updates | None = None
+    ) -> AsyncIterator[str]:
+        """`updates`: Serving.stream's (default: generated here)."""
         yield r.event("response.created", {"response": r.response(None, [], prompt, 0)})
         yield r.event("response.in_progress", {"response": r.response(None, [], prompt, 0)})
         items: list[dict[str, Any]] = []
         try:
-            async for events, u in stream_events(r.sv, r.rid, prompt, blocks):
+            async for events, u in stream_events(r.sv, r.rid, prompt, blocks, updates):
                 for e in events:
                     for ev in r.block_events(e, u if u.state.finished else None):
                         yield ev
