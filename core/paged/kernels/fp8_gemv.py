@@ -5,18 +5,20 @@ few output blocks (Llama-3.1-8B's o_proj and down: 64 blocks of 64 rows) fills t
 only when K is split too.
 
 Every program reads the whole rows for their absmax (the token's scale, as the unsplit kernel
-computes it), quantizes its slice of them and multiplies its slice of the weight; it writes
-float32 partial sums, and the last program of an output block (counted atomically) adds the
-SPLIT partials in slice order, scales them, adds the bias, stores the block and resets its
-counter. So the result is the unsplit kernel's up to the float32 order of the sums, and the
-same whichever program finishes last.
+computes it; or takes it from the op before, X_AMAX: fp8_act), quantizes its slice of them
+and multiplies its slice of the weight; it writes float32 partial sums, and the last program
+of an output block (counted atomically) adds the SPLIT partials in slice order, scales them,
+adds the bias, stores the block and resets its counter. So the result is the unsplit
+kernel's up to the float32 order of the sums, and the same whichever program finishes last.
 
 The op before a decode projection can be folded in, as gemv.gemv_split_k does for 16-bit
 weights: NORM (the input is RMSNorm(x + residual) * g, fused_add_rms_norm's arithmetic) or
 SILU_MUL (the input is silu_and_mul of a gate/up output). Every program needs the whole input
 rows for their absmax anyway, so it computes them itself: under NORM a first pass sums the
 squares of x + residual (the first program writes that sum out, the new residual), then the
-absmax pass and the K slice compute the normed values as the norm kernel rounds them.
+absmax pass and the K slice compute the normed values as the norm kernel rounds them. Or the
+op's own kernel runs first and writes the rows' absmax (Fp8SplitGemv's rows "amax"), which on
+the down projection measured faster (bench/results/h200.md).
 """
 
 from __future__ import annotations
