@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from paged import BeamSearchParams, SamplingParams
+from paged.sampling.params import RequestOutputKind
 
 PROMPT = [{"role": "user", "content": "Write a story about a dragon."}]
 
@@ -111,6 +114,76 @@ def test_invalid_params_name_the_field(kw, field):
         SamplingParams(**kw)
 
 
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: "x"}}, r"logit_bias\[5\]"),
+        ({"logit_bias": {5.5: 1}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, r"logit_bias\[5\]"),
+        ({"seed": "1"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids"),
+        ({"stop": [5]}, "stop"),
+        ({"max_tokens": "2"}, "max_tokens"),
+        ({"n": "2"}, "n"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"bad_words": "the"}, "bad_words"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids"),
+        ({"output_kind": "bogus"}, "output_kind"),
+    ],
+)
+def test_wrongly_typed_params_name_the_field(kw, field):
+    """Refused up front: the engine's step (every request of it) would fail on them."""
+    with pytest.raises((TypeError, ValueError), match=f"^{field}: "):
+        SamplingParams(**kw)
+
+
+def test_beam_search_params_refuse_a_non_finite_length_penalty():
+    with pytest.raises(ValueError, match="^length_penalty"):
+        BeamSearchParams(2, 2, length_penalty=float("nan"))
+
+
+def test_a_failed_request_leaves_nothing_behind(smollm):
+    bad = SamplingParams(max_tokens=2)
+    bad.stop = [5]  # set past validate(): fails while the call submits its requests
+    with pytest.raises(TypeError):
+        smollm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=3), bad], use_tqdm=False)
+    assert not smollm.engine.requests
+    out = smollm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_interleaved_streams_and_generate_each_get_their_outputs(smollm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in smollm.generate([[5, 6, 7], [8, 9]], greedy)]
+    delta = dataclasses.replace(greedy, output_kind=RequestOutputKind.DELTA)
+    a, b = smollm.stream([[5, 6, 7]], delta), smollm.stream([[8, 9]], delta)
+    got_a = list(next(a).outputs[0].token_ids)
+    got_b = [t for o in b for t in o.outputs[0].token_ids]  # while a is open
+    mid = smollm.generate([[8, 9]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    got_a += [t for o in a for t in o.outputs[0].token_ids]
+    assert (got_a, got_b, mid) == (ref[0], ref[1], ref[1])
+    it = smollm.stream([[5, 6, 7]], greedy)
+    next(it)
+    it.close()  # closed early: its request is aborted
+    assert not smollm.engine.requests and not smollm._routes
+
+
+def test_chat_joins_text_parts(smollm):
+    p = SamplingParams(temperature=0, max_tokens=4)
+    texts = ["Write a story ", "about a dragon."]
+    parts = [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}]
+    assert text_of(smollm, p, parts).token_ids == text_of(smollm, p).token_ids
+
+
+def test_a_named_tokenizer_that_cannot_load_is_an_error(tiny_models):
+    from paged import LLM
+
+    with pytest.raises(ValueError, match="^tokenizer: "):
+        LLM(tiny_models["llama"], tokenizer="/nonexistent", kv_cache_memory="8MiB")
+
+
 def test_bad_token_ids_refused(smollm):
     with pytest.raises(ValueError, match="^prompt"):
         smollm.generate([[10**7]], SamplingParams(max_tokens=2), use_tqdm=False)
@@ -149,6 +222,18 @@ def test_bad_token_ids_refused(smollm):
          "^chat_template: cannot read the file 'no-such.jinja'"),
         (lambda llm: llm.chat(PROMPT, chat_template="{{ raise_exception('roles') }}"), ValueError,
          "^messages: cannot apply the chat template: roles"),
+        (lambda llm: llm.chat(PROMPT, chat_template_kwargs=["x"]), TypeError,
+         "^chat_template_kwargs: expected a dict"),
+        (lambda llm: llm.beam_search([[1, 2]], SamplingParams()), TypeError,
+         "^params: beam_search takes BeamSearchParams"),
+        (lambda llm: llm.embed([[1, 2]], SamplingParams()), TypeError, "^pooling_params: "),
+        (lambda llm: llm.generate([[1, 2]], lora_request="a"), TypeError, "^lora_request: "),
+        (lambda llm: llm.chat([[]]), ValueError, r"^messages\[0\]: an empty conversation"),
+        (lambda llm: llm.chat(PROMPT, tools="x"), TypeError, "^tools: expected a list"),
+        (lambda llm: llm.chat(PROMPT, tools=[{"type": "function"}]), ValueError,
+         r"^tools\[0\]\.function: "),
+        (lambda llm: llm.chat([{"role": "user", "content": [{"type": "image_url"}]}]),
+         ValueError, r"^messages\[0\]\.content: only text parts are supported"),
     ],
 )
 def test_bad_offline_arguments_name_the_argument(smollm, call, error, message):

@@ -9,6 +9,7 @@ The steps' requests share the prompt's and the beams' full KV blocks through the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from paged.engine.outputs import Logprob
@@ -36,6 +37,8 @@ class BeamSearchParams:
             raise ValueError("max_tokens: must be at least 1")
         if self.temperature != 0:
             raise ValueError("temperature: beam search ranks by logprobs; it must be 0")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty: must be a finite number, got {self.length_penalty}")
 
 
 @dataclass

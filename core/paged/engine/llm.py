@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,8 +15,15 @@ from tqdm import tqdm
 
 from paged.config import EngineConfig, read_chat_template
 from paged.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from paged.engine.core import EngineCore
-from paged.engine.llm_inputs import check_conversations, check_prompts, check_sampling_params
+from paged.engine.core import EngineCore, EngineOutput
+from paged.engine.llm_inputs import (
+    check_conversations,
+    check_mapping,
+    check_prompts,
+    check_sampling_params,
+    check_tools,
+    lora_requests,
+)
 from paged.engine.outputs import (
     Logprob,
     OutputState,
@@ -61,11 +70,17 @@ class LLM:
 
             try:
                 self.tokenizer = load_tokenizer(self.engine.source, self.config.tokenizer)
-            except Exception as e:  # a weights-only directory: token-id prompts still work
+            except Exception as e:
+                if self.config.tokenizer is not None:  # the one asked for: never run without
+                    raise ValueError(f"tokenizer: {e}") from e
+                # a weights-only directory: token-id prompts still work
                 log.warning("no tokenizer (%s): only token-id prompts will work", e)
         self.chat_template = load_chat_template(self.config.chat_template)
         self._ids = itertools.count()
         self._defaults: dict[str, Any] | None = None  # of the generation config
+        # Each running request's (sequence id's) owner: the inbox of its generate()/stream()
+        # call, so that calls interleaved on one LLM (open streams) each get their outputs.
+        self._routes: dict[str, deque[EngineOutput]] = {}
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -130,6 +145,9 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's offline beam search (paged.engine.beam_search): per prompt, the beam_width
         best sequences, best first (tokens hold the prompt and the output)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: beam_search takes BeamSearchParams, got "
+                            f"{type(params).__name__}")  # fmt: skip
         prompts = self._normalize(prompts)
         eng = self.engine
         searches = [
@@ -171,9 +189,10 @@ class LLM:
             raise TypeError(f"messages: expected a list of messages (dicts) or of "
                             f"conversations, got {type(messages).__name__}")  # fmt: skip
         single = bool(messages) and isinstance(messages[0], dict)
-        convs = [messages] if single else messages
-        check_conversations(convs, single)
+        convs = check_conversations([messages] if single else messages, single)
         check_sampling_params(sampling_params)
+        check_tools(tools)
+        template_kwargs = check_mapping(chat_template_kwargs, "chat_template_kwargs")
         template = load_chat_template(chat_template) or self.chat_template
         prompts = []
         from paged.engine.chat_render import apply_chat_template  # tools the template drops
@@ -187,7 +206,7 @@ class LLM:
                     chat_template=template,
                     continue_final_message=continue_final_message,
                     tools=tools,
-                    **(chat_template_kwargs or {}),
+                    **template_kwargs,
                 )
             except TemplateError as e:  # the template's own raise_exception(...), as the server
                 raise ValueError(f"messages: cannot apply the chat template: {e}") from None
@@ -209,10 +228,12 @@ class LLM:
             raise ValueError("best_of: the n best are known only at the end; use generate()")
         kinds: dict[str, RequestOutputKind] = {}
         tokenized = [self._tokenize(p) for p in prompts]
-        for res, st, sts, done in self._drive(tokenized, params, False, kinds):
-            kind = kinds[res.request_id]
-            if done or kind != RequestOutputKind.FINAL_ONLY:
-                yield self._snapshot(res, st, sts, done, kind)
+        # closed with this stream (break, .close()): its requests are aborted at once
+        with contextlib.closing(self._drive(tokenized, params, False, kinds)) as outs:
+            for res, st, sts, done in outs:
+                kind = kinds[res.request_id]
+                if done or kind != RequestOutputKind.FINAL_ONLY:
+                    yield self._snapshot(res, st, sts, done, kind)
 
     def _snapshot(
         self, res: RequestOutput, st: OutputState, sts: list[OutputState], done: bool, kind
@@ -256,12 +277,7 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = self._params(params, len(prompts))
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError("lora_request: one per prompt, or a single one for all")
+        loras = lora_requests(lora_request, len(prompts))
         finals: dict[str, RequestOutput] = {}
         for res, _, _, done in self._drive(prompts, params, use_tqdm, {}, loras):
             if done:
@@ -283,6 +299,8 @@ class LLM:
         states: dict[str, tuple[str, OutputState]] = {}
         seqs: dict[str, Request] = {}  # the engine's, for their timings
         order = []
+        inbox: deque[EngineOutput] = deque()  # this call's engine outputs, in engine order
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         try:
             for k, ((text, ids), p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
@@ -291,45 +309,60 @@ class LLM:
                 results[rid] = RequestOutput(rid, text, ids, [])
                 p = with_best_of_logprobs(p)
                 lora = loras[k] if loras else None
+                cids = sequence_ids(rid, p.num_sequences)
+                for cid in cids:  # before add_request: whatever fails next, it is aborted
+                    self._routes[cid] = inbox
                 self.engine.add_request(rid, ids, p, lora)  # n sequences, one prompt computed
-                for i, cid in enumerate(sequence_ids(rid, p.num_sequences)):
+                for i, cid in enumerate(cids):
                     st = OutputState(i, self.tokenizer, ids, sample_params(p, i),
                                      self.engine.eos_token_ids)  # fmt: skip
                     results[rid].outputs.append(st.out)
                     states[cid] = (rid, st)
                     seqs[cid] = self.engine.requests[cid]
-        except Exception:
-            self.engine.abort(list(states))  # nothing half-submitted stays in the engine
-            raise
-        by_rid: dict[str, list[tuple[OutputState, Request]]] = {}
-        for cid, (rid, st) in states.items():
-            by_rid.setdefault(rid, []).append((st, seqs[cid]))
-        pending = {rid: len(results[rid].outputs) for rid in order}
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
-        try:
-            while self.engine.has_unfinished():
-                for eo in self.engine.step():
-                    rid, st = states[eo.request_id]
-                    if eo.error:
-                        raise RuntimeError(f"request {rid} failed: {eo.error}")
-                    if st.update(eo):
-                        self.engine.abort([eo.request_id])
-                    res = results[rid]
-                    res.num_cached_tokens = eo.num_cached_tokens
-                    done = False
-                    if st.finished and not st.counted:  # its last output
-                        st.counted = True
-                        pending[rid] -= 1
-                        done = pending[rid] == 0
-                    if done:
-                        res.finished = True
-                        self._finalize(res, by_rid[rid])
-                        res.outputs = best_of(res.outputs, params[order.index(rid)])
-                        bar.update(1)
-                    yield res, st, [s for s, _ in by_rid[rid]], done
-        finally:
+            by_rid: dict[str, list[tuple[OutputState, Request]]] = {}
+            for cid, (rid, st) in states.items():
+                by_rid.setdefault(rid, []).append((st, seqs[cid]))
+            pending = {rid: len(results[rid].outputs) for rid in order}
+            left = len(order)
+            while left:
+                if not inbox:
+                    if not self.engine.has_unfinished():
+                        break
+                    self._step()
+                    continue
+                eo = inbox.popleft()
+                rid, st = states[eo.request_id]
+                if eo.error:
+                    raise RuntimeError(f"request {rid} failed: {eo.error}")
+                if st.update(eo):
+                    self.engine.abort([eo.request_id])
+                res = results[rid]
+                res.num_cached_tokens = eo.num_cached_tokens
+                done = False
+                if st.finished and not st.counted:  # its last output
+                    st.counted = True
+                    pending[rid] -= 1
+                    done = pending[rid] == 0
+                if done:
+                    res.finished = True
+                    self._finalize(res, by_rid[rid])
+                    res.outputs = best_of(res.outputs, params[order.index(rid)])
+                    bar.update(1)
+                    left -= 1
+                yield res, st, [s for s, _ in by_rid[rid]], done
+        finally:  # done, failed or closed early: nothing of this call stays in the engine
             bar.close()
-            self.engine.abort(list(states))
+            mine = [cid for cid, q in self._routes.items() if q is inbox]
+            for cid in mine:
+                del self._routes[cid]
+            self.engine.abort(mine)
+
+    def _step(self) -> None:
+        """One engine step; each output goes to the call that owns its request (another open
+        stream() or generate() consumes it later), those of aborted requests are dropped."""
+        for eo in self.engine.step():
+            if (inbox := self._routes.get(eo.request_id)) is not None:
+                inbox.append(eo)
 
     def _finalize(self, res: RequestOutput, seqs: list[tuple[OutputState, Request]]) -> None:
         """vLLM's Logprob values, prompt_logprobs and the request's timings."""
@@ -400,15 +433,21 @@ class LLM:
         params = pooling_params if pooling_params is not None else PoolingParams()
         if isinstance(params, PoolingParams):
             params = [params] * len(prompts)
+        if not isinstance(params, list | tuple) or not all(
+            isinstance(p, PoolingParams) for p in params
+        ):
+            raise TypeError(f"pooling_params: expected PoolingParams or a list of them, one per "
+                            f"prompt, got {type(pooling_params).__name__}")  # fmt: skip
         if len(params) != len(prompts):
             raise ValueError("pooling_params: one per prompt, or a single one for all")
+        if self._routes:  # run_pooling steps the engine alone: it would drop their outputs
+            raise RuntimeError(
+                "embed: another generate/stream call is in progress on this LLM "
+                "(an open stream()); finish or close it first"
+            )
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                       for p in params]  # fmt: skip
-        loras = lora_request
-        if loras is None or isinstance(loras, LoRARequest):
-            loras = [loras] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError("lora_request: one per prompt, or a single one for all")
+        loras = lora_requests(lora_request, len(prompts))
         tokenized = [self._tokenize(p) for p in prompts]
         return run_pooling(self.engine, tokenized, list(params), self._ids, use_tqdm, list(loras))

@@ -7,6 +7,7 @@ import functools
 import json as _json
 import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 from paged.pooling_params import PoolingParams
 
@@ -128,9 +129,60 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, list | tuple):  # else validate() refuses
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if _is_int(self.output_kind) and self.output_kind in set(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self.validate()
+
+    def _check_types(self) -> None:
+        """TypeError naming the field for a value of the wrong type (a str number, a float
+        seed, a bool token id...): the engine's step would otherwise fail on it."""
+
+        def bad(name: str, why: str) -> None:
+            v = getattr(self, name)
+            raise TypeError(f"{name}: {why}, got {type(v).__name__} {v!r:.40}")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            if not _is_number(getattr(self, name)):
+                bad(name, "must be a number")
+        for name in ("n", "top_k", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                bad(name, "must be an integer")
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
+                     "thinking_token_budget"):  # fmt: skip
+            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+                bad(name, "must be an integer or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            bad("stop", "must be a string or a list of strings")
+        if not isinstance(self.stop_token_ids, list) or not all(map(_is_int, self.stop_token_ids)):
+            bad("stop_token_ids", "must be a list of integer token ids")
+        for name in ("structured_outputs_after", "reasoning_end_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and not (isinstance(ids, list | tuple) and all(map(_is_int, ids))):
+                bad(name, "must be a list of integer token ids")
+        if self.bad_words is not None and not isinstance(self.bad_words, list | tuple):
+            bad("bad_words", "must be a list of strings")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                bad("logit_bias", "must be a dict of token id (int) to bias (float)")
+            for k, v in bias.items():
+                if not _is_int(k):
+                    raise TypeError(f"logit_bias: keys must be integer token ids, got "
+                                    f"{type(k).__name__} {k!r:.20}")  # fmt: skip
+                if not _is_number(v) or not math.isfinite(v):
+                    raise TypeError(f"logit_bias[{k}]: must be a finite number, got {v!r:.20}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind: must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {self.output_kind!r:.40}")  # fmt: skip
 
     def validate(self) -> None:
         """Raise ValueError naming the field for out-of-range values."""
@@ -138,6 +190,7 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        self._check_types()
         for name in (
             "temperature",
             "top_p",
@@ -186,7 +239,7 @@ class SamplingParams:
             check_structured_stop(self.min_tokens, self.ignore_eos, "a structured output")
         if self.structured_outputs_after is not None:
             ids = self.structured_outputs_after
-            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+            if not ids or any(t < 0 for t in ids):
                 bad("structured_outputs_after", "must be a non-empty list of token ids >= 0")
             if self.structured_outputs is None:
                 bad("structured_outputs_after", "needs structured_outputs")
@@ -194,11 +247,11 @@ class SamplingParams:
             ids = self.reasoning_end_ids
             if self.thinking_token_budget < 0:
                 bad("thinking_token_budget", "must be >= 0")
-            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+            if not ids or any(t < 0 for t in ids):
                 bad("reasoning_end_ids", "a reasoning budget needs the end marker's token ids")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if not ids or any(not isinstance(t, int) or t < 0 for t in ids):
+            if not ids or any(t < 0 for t in ids):
                 bad("allowed_token_ids", "must be a non-empty list of token ids >= 0")
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w for w in self.bad_words
@@ -221,3 +274,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool)

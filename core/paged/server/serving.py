@@ -237,13 +237,13 @@ class Serving:
     ) -> SamplingParams:
         try:
             p = req.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:  # SamplingParams names the field
             raise bad_request(e) from None
         if self.generation_defaults:  # the model's defaults for what the request leaves unset
             unset = {k for k in self.generation_defaults if getattr(req, k, None) is None}
             try:
                 p = apply_defaults(p, self.generation_defaults, unset)
-            except ValueError as e:
+            except (TypeError, ValueError) as e:  # SamplingParams names the field
                 raise bad_request(e) from None
         self.check_ids(p.stop_token_ids or [], "stop_token_ids")
         self.check_ids(list(p.logit_bias or {}), "logit_bias")
