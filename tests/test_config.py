@@ -130,3 +130,113 @@ def test_serve_refuses_a_key_that_does_not_match_the_certificate(tmp_path, caplo
     k, c = self_signed(tmp_path, mismatched_key=True)
     assert main(["serve", "--ssl-keyfile", k, "--ssl-certfile", c]) == 2
     assert "invalid configuration: ssl_certfile / ssl_keyfile: cannot load them" in caplog.text
+
+
+# ---- what config.json tells, checked before the engine starts --------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    from tiny_hf import make_tiny
+
+    return make_tiny("llama", str(tmp_path_factory.mktemp("cfg") / "llama"))  # 512 positions
+
+
+def _bad_dir(tmp_path, config: dict) -> str:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_model_max_len_is_derived_as_vllm_does():
+    from transformers import LlamaConfig
+
+    from paged.config import model_max_len
+
+    plain = LlamaConfig(max_position_embeddings=512)
+    assert model_max_len(plain) == (512, "max_position_embeddings")
+    linear = LlamaConfig(max_position_embeddings=512)
+    linear.rope_scaling = {"rope_type": "linear", "factor": 4.0}
+    assert model_max_len(linear)[0] == 2048
+    llama3 = LlamaConfig(max_position_embeddings=512)
+    llama3.rope_scaling = {"rope_type": "llama3", "factor": 8.0}
+    assert model_max_len(llama3)[0] == 512  # max_position_embeddings already counts it
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--max-model-len", "100000"], "max_model_len: 100000 is greater than the model's "
+         "maximum context length 512 (max_position_embeddings)"),
+        (["--quantization", "awq"], "quantization awq"),
+        (["--speculative-config", '{"model": "/nonexistent", "num_speculative_tokens": 2}'],
+         "speculative_config.model"),
+        (["--max-num-seqs", "4096", "--max-num-batched-tokens", "2048"], "max_num_batched_tokens"),
+        (["--max-loras", "2"], "max_loras"),
+        (["--max-lora-rank", "8"], "max_lora_rank"),
+        (["--metrics-require-key"], "metrics_require_key"),
+        (["--api-key", ""], "api_key"),
+        (["--served-model-name", "a", "a"], "served_model_name"),
+        (["--override-generation-config", "[1]"], "override_generation_config: must be a JSON"),
+    ],
+)
+def test_serve_refuses_what_config_json_tells(tiny, flags, field, caplog, monkeypatch):
+    from paged.cli.main import main
+
+    monkeypatch.delenv("PAGED_API_KEY", raising=False)
+    assert main(["serve", tiny, *flags]) == 2
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(lines) == 1 and lines[0].startswith(f"invalid configuration: {field}"), lines
+
+
+def test_serve_refuses_a_model_it_cannot_run(tiny, tmp_path, caplog):
+    import json
+    from pathlib import Path
+
+    from paged.cli.main import main
+
+    cfg = json.loads((Path(tiny) / "config.json").read_text())
+    for d in ("gpt2", "untyped", "draft"):
+        (tmp_path / d).mkdir()
+    gpt2 = _bad_dir(tmp_path / "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    untyped = _bad_dir(tmp_path / "untyped", {k: v for k, v in cfg.items() if k != "model_type"})
+    draft = _bad_dir(tmp_path / "draft", {**cfg, "vocab_size": cfg["vocab_size"] * 2})
+    spec = json.dumps({"model": str(draft), "num_speculative_tokens": 2})
+    for argv, field in [([gpt2, "--load-format", "dummy"], "model: unsupported"),
+                        ([untyped, "--load-format", "dummy"], "model: "),
+                        ([tiny, "--load-format", "dummy", "--speculative-config", spec],
+                         "speculative_config.model: the draft's vocabulary")]:  # fmt: skip
+        caplog.clear()
+        assert main(["serve", *argv]) == 2, argv
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(lines) == 1 and lines[0].startswith(f"invalid configuration: {field}"), lines
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching: must be True or False"),
+        ({"async_scheduling": 1}, "async_scheduling: must be True or False"),
+        ({"load_format": 3}, "load_format: must be a string"),
+        ({"max_loras": 2}, "max_loras: applies to LoRA adapters only"),
+    ],
+)
+def test_offline_options_are_type_checked(kw, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineConfig(**kw)
+
+
+def test_torch_dtype_and_llm_max_model_len():
+    import torch
+    from transformers import LlamaConfig
+
+    from paged.worker.worker import resolve_config
+    from paged_cpu.platform import CpuPlatform
+
+    assert EngineConfig(dtype=torch.float16).dtype == "float16"
+    hf = LlamaConfig(architectures=["LlamaForCausalLM"], max_position_embeddings=512)
+    with pytest.raises(ValueError, match="^max_model_len: 100000 is greater"):
+        resolve_config(EngineConfig(max_model_len=100000), CpuPlatform(), hf)
+    small = resolve_config(EngineConfig(max_num_batched_tokens=64), CpuPlatform(), hf)
+    assert small.max_num_seqs == 64  # the platform's 256, at most one a batched token

@@ -65,7 +65,7 @@ def make_model(kind: str, path: str, seed: int = 0) -> str:
             "short_factor": [1.0 + i / 4 for i in range(half)],
             "long_factor": [3.0 + i for i in range(half)],
         }
-        kw = {**BASE, "max_position_embeddings": 128, "tie_word_embeddings": kind == "phi4mini"}
+        kw = {**BASE, "max_position_embeddings": 256, "tie_word_embeddings": kind == "phi4mini"}
         cfg = tf.Phi3Config(**kw, original_max_position_embeddings=ORIG,
                             partial_rotary_factor=partial, rope_parameters=rope)  # fmt: skip
     else:

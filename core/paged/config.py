@@ -178,7 +178,6 @@ class EngineConfig:
     # vLLM's spellings (docs/cli.md): each is honoured or refused with the reason.
     structured_outputs_config: dict | None = _opt(
         'vLLM\'s JSON form of --structured-outputs-backend: {"backend": "xgrammar"}',
-        type=json_dict,
     )
     enable_chunked_prefill: bool = _opt(
         "split prompts longer than --max-num-batched-tokens into chunks (always on: "
@@ -198,7 +197,7 @@ class EngineConfig:
     )
     override_generation_config: dict | None = _opt(
         'JSON generation-config keys applied over --generation-config, e.g. '
-        '{"temperature": 0.5, "max_new_tokens": 256}', type=json_dict
+        '{"temperature": 0.5, "max_new_tokens": 256}'
     )
     enable_lora: bool = _opt(
         "serve LoRA adapters (PEFT format) on top of the model (docs/lora.md)", default=False
@@ -219,6 +218,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if isinstance(self.dtype, torch.dtype):  # LLM(dtype=torch.float16), as vLLM takes it
+            self.dtype = str(self.dtype).removeprefix("torch.")
         _check_numbers(self)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
@@ -379,6 +380,11 @@ def _check_numbers(c: EngineConfig) -> None:
     _POSITIVE are at least 1 when set, and the seed fits torch's generators."""
     for f in dataclasses.fields(c):
         kind, value = f.metadata.get("type"), getattr(c, f.name)
+        optional = f.type == "bool | None" and value is None
+        if f.type in ("bool", "bool | None") and not isinstance(value, bool) and not optional:
+            raise ValueError(f"{f.name}: must be True or False, got {value!r}")
+        if f.type == "str" and not isinstance(value, str):
+            raise ValueError(f"{f.name}: must be a string, got {value!r}")
         if kind not in (int, float) or value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, Integral if kind is int else Real):
@@ -389,8 +395,51 @@ def _check_numbers(c: EngineConfig) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{name}: must be at least 1 (leave it unset for the default), "
                              f"got {value}")  # fmt: skip
+    check_batch(c.max_num_seqs, c.max_num_batched_tokens)
     if not -(1 << 63) <= c.seed < 1 << 64:  # what torch.manual_seed takes
         raise ValueError(f"seed: must fit in 64 bits, got {c.seed}")
+
+
+def check_batch(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:
+    """vLLM's rule: a step must fit one token of each of its max_num_seqs requests."""
+    if max_num_seqs and max_num_batched_tokens and max_num_batched_tokens < max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens: {max_num_batched_tokens} is less than max_num_seqs "
+            f"({max_num_seqs}): a step cannot hold one token of each request"
+        )
+
+
+# config.json keys of a model's context length (vLLM's): the least of them applies
+_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+             "max_sequence_length", "max_seq_length", "seq_len")  # fmt: skip
+
+
+def model_max_len(hf_config: Any) -> tuple[int | None, str]:
+    """(the model's maximum context length, where it comes from), derived as vLLM does: the
+    least length key, times rope scaling's factor (of original_max_position_embeddings for
+    yarn) unless the key already counts it (llama3, longrope); (None, "") without a key."""
+    found = [(v, k) for k in _LEN_KEYS if isinstance(v := getattr(hf_config, k, None), int)]
+    if not found:
+        return None, ""
+    length, why = min(found)
+    rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
+    if not isinstance(rope, dict):  # none (or per-layer-type parameters)
+        return length, why
+    kind = rope.get("rope_type", rope.get("type"))
+    factor = rope.get("factor")
+    if kind in (None, "default", "su", "longrope", "llama3", "mrope") or not factor:
+        return length, why
+    if kind == "yarn" and rope.get("original_max_position_embeddings"):
+        length, why = rope["original_max_position_embeddings"], "original_max_position_embeddings"
+    return int(length * factor), f"{why} x rope_scaling factor {factor}"
+
+
+def check_max_model_len(max_model_len: int | None, hf_config: Any) -> None:
+    """Refuse a max_model_len above the model's (vLLM's message)."""
+    limit, why = model_max_len(hf_config)
+    if max_model_len is not None and limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len: {max_model_len} is greater than the model's maximum "
+                         f"context length {limit} ({why})")  # fmt: skip
 
 
 def _check_speculative(c: EngineConfig) -> None:
@@ -438,7 +487,7 @@ def _check_vllm_flags(c: EngineConfig) -> None:
     if not 0 <= c.max_logprobs <= 20:
         raise ValueError(f"max_logprobs: must be in [0, 20] (paged returns at most 20 "
                          f"logprobs per token), got {c.max_logprobs}")  # fmt: skip
-    c.structured_outputs_config = json_dict(c.structured_outputs_config)
+    c.structured_outputs_config = _json_field(c, "structured_outputs_config")
     so = dict(c.structured_outputs_config or {})
     if "backend" in so:
         backend = so.pop("backend")
@@ -455,8 +504,17 @@ def _check_vllm_flags(c: EngineConfig) -> None:
         )
     from paged.engine.generation_config import check_generation_flags
 
-    c.override_generation_config = json_dict(c.override_generation_config)
+    c.override_generation_config = _json_field(c, "override_generation_config")
     check_generation_flags(c.generation_config, c.override_generation_config)
+
+
+def _json_field(c: EngineConfig, name: str) -> dict | None:
+    """A JSON-object field (text from the command line, or a dict); ValueError naming it."""
+    try:
+        return json_dict(getattr(c, name))
+    except (ValueError, TypeError) as e:
+        why = "must be a JSON object" if "expected a JSON object" in str(e) else str(e)
+        raise ValueError(f"{name}: {why}") from None
 
 
 def _check_names(c: EngineConfig) -> None:
@@ -466,7 +524,10 @@ def _check_names(c: EngineConfig) -> None:
         names = [names]
     if names is not None and (not names or not all(isinstance(n, str) and n for n in names)):
         raise ValueError("served_model_name: names must be non-empty strings")
-    c.served_model_name = list(dict.fromkeys(names)) if names else None
+    if names and len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"served_model_name: {dup!r} is given more than once")
+    c.served_model_name = list(names) if names else None
 
 
 def _check_lora(c: EngineConfig) -> None:
@@ -485,3 +546,8 @@ def _check_lora(c: EngineConfig) -> None:
     c.lora_modules = parse_lora_modules(c.lora_modules)
     if c.lora_modules and not c.enable_lora:
         raise ValueError("lora_modules: LoRA adapters need --enable-lora")
+    if not c.enable_lora:  # set without LoRA: not silently ignored
+        defaults = {f.name: f.default for f in dataclasses.fields(c)}
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(c, name) != defaults[name]:
+                raise ValueError(f"{name}: applies to LoRA adapters only: it needs --enable-lora")

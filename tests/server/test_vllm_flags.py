@@ -54,7 +54,9 @@ def test_accepted_spellings_map_onto_ours():
 def test_served_model_names():
     from paged.config import EngineConfig
 
-    assert parse("m", "--served-model-name", "a", "b", "a").served_model_name == ["a", "b"]
+    assert parse("m", "--served-model-name", "a", "b").served_model_name == ["a", "b"]
+    with pytest.raises(ValueError, match="served_model_name: 'a' is given more than once"):
+        parse("m", "--served-model-name", "a", "b", "a")
     assert parse("m").served_model_name is None
     assert EngineConfig(model="m", served_model_name="x").served_model_name == ["x"]  # LLM()
     with pytest.raises(ValueError, match="served_model_name"):
@@ -93,12 +95,11 @@ def test_refused_with_the_reason(flags, message):
         parse(*flags)
 
 
-def test_bad_json_names_the_flag(capsys):
+def test_bad_json_names_the_flag(caplog):
     from paged.cli.main import main
 
-    with pytest.raises(SystemExit):
-        main(["serve", "--override-generation-config", "{not json"])
-    assert "--override-generation-config" in capsys.readouterr().err
+    assert main(["serve", "--override-generation-config", "{not json"]) == 2
+    assert "invalid configuration: override_generation_config: invalid JSON" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -141,6 +141,11 @@ def check_server_args(args: argparse.Namespace) -> None:
     if args.max_stored_responses < 0:
         raise ValueError(f"max_stored_responses: must be >= 0 (0: none kept), got "
                          f"{args.max_stored_responses}")  # fmt: skip
+    key = getattr(args, "api_key", None)
+    if key == "":  # vLLM reads it as no key: refused, not served open
+        raise ValueError("api_key: empty; give a key, or leave --api-key out to serve openly")
+    if getattr(args, "metrics_require_key", False) and not (key or os.environ.get("PAGED_API_KEY")):
+        raise ValueError("metrics_require_key: needs an API key (--api-key or PAGED_API_KEY)")
 
 
 def add_parsing_args(parser: argparse.ArgumentParser) -> None:
@@ -200,11 +205,12 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     elif getattr(args, "ray_address", None):
         log.error("--ray-address places the replicas of a --fleet file (docs/fleet.md)")
         return 2
-    from paged.server.serving_stack import parsing_options
+    from paged.server.serving_stack import check_model, parsing_options
 
     try:
         parsing_options(args)
         check_server_args(args)
+        check_model(config)
         check_http_args(args)
         check_log_args(args)
     except ValueError as e:

@@ -33,6 +33,62 @@ def tokenizer_loader(config: EngineConfig) -> tuple[str, Any, str | None]:
     return src.name, lambda: load_tokenizer(src, config.tokenizer), src.path
 
 
+def _read_config(model: EngineConfig) -> Any:
+    """config.json of `model` (a config whose model is the one to read); None where the model
+    cannot be found (build_serving says so); ValueError where it cannot be read."""
+    from paged.model.shapes import SHAPES, shape_config
+
+    if model.load_format == "dummy" and model.model and model.model.lower() in SHAPES:
+        return shape_config(model.model)
+    from paged.model.loader import load_config, resolve_model
+
+    try:
+        src = resolve_model(model.model, model.load_format, model.revision, model.download_dir)
+    except (ValueError, OSError):
+        return None
+    return load_config(src)
+
+
+def check_model(config: EngineConfig) -> None:
+    """What config.json (the model's, a draft's) tells before the engine starts: a ValueError
+    naming the field for an architecture paged lacks, a max_model_len above the model's, a
+    --quantization the checkpoint cannot take, a draft that cannot be read or does not fit."""
+    from paged.config import check_max_model_len
+    from paged.model.registry import model_class
+    from paged.quantization.select import quant_method
+
+    try:
+        hf = _read_config(config)
+        if hf is not None:
+            model_class(hf)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model: {e}") from None
+    if hf is None:
+        return
+    check_max_model_len(config.max_model_len, hf)
+    try:
+        quant_method(config.quantization, hf, dummy=config.load_format == "dummy")
+    except ValueError as e:
+        why = str(e) if str(e).startswith("quantization") else f"quantization: {e}"
+        raise ValueError(why) from None
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return
+    from paged.spec_decode.draft import proposer_config
+
+    try:
+        draft = _read_config(proposer_config(config))
+        if draft is None:
+            raise ValueError(f"{spec.model!r} not found (a folder with config.json, a Hub id)")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
+    if spec.method == "draft_model" and draft.vocab_size != hf.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) is "
+            f"not the target's ({hf.vocab_size}): a draft needs the same tokenizer"
+        )
+
+
 def parsing_options(args: argparse.Namespace) -> Any:
     """The tool-call and reasoning parsers the flags ask for; ValueError names the flag."""
     from paged.server.chat_parsing import ParsingOptions

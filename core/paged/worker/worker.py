@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from paged.config import EngineConfig
+from paged.config import EngineConfig, check_batch, check_max_model_len, model_max_len
 from paged.distributed import (
     all_reduce_min_host,
     broadcast_host,
@@ -51,12 +51,16 @@ def resolve_config(config: EngineConfig, platform: Any, hf_config: Any) -> Engin
     dtype = config.dtype
     if dtype == "auto":
         dtype = str(platform.default_dtype()).removeprefix("torch.")
+    check_max_model_len(config.max_model_len, hf_config)
+    limit = model_max_len(hf_config)[0]
     model_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    model_len = min(model_len, limit or model_len)
     changes: dict[str, Any] = dict(dtype=dtype, max_model_len=config.max_model_len or model_len)
-    if config.max_num_batched_tokens is None:
-        changes["max_num_batched_tokens"] = platform.default_max_num_batched_tokens
-    if config.max_num_seqs is None:
-        changes["max_num_seqs"] = platform.default_max_num_seqs
+    tokens = config.max_num_batched_tokens or platform.default_max_num_batched_tokens
+    changes["max_num_batched_tokens"] = tokens
+    if config.max_num_seqs is None:  # the platform's, at most one request a batched token
+        changes["max_num_seqs"] = min(platform.default_max_num_seqs, tokens)
+    check_batch(changes.get("max_num_seqs", config.max_num_seqs), tokens)
     if config.world_size > 1 and config.async_scheduling:
         raise ValueError("async_scheduling: not supported with more than one rank yet")
     if config.world_size > 1:
