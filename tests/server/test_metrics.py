@@ -94,3 +94,17 @@ def test_disconnect_before_response_aborts(server, http):
     assert m(v, "num_requests_running") == 0 and m(v, "kv_cache_usage_perc") == 0
     assert m(v, "prompt_tokens_total") > m(before, "prompt_tokens_total")  # it did start
     assert m(v, "generation_tokens_total") - m(before, "generation_tokens_total") < 1000
+
+
+def test_request_failing_after_tokens_is_counted(http):
+    """The engine refuses the regex once it has streamed "ab": the request counts as error,
+    with its per-request histograms; one refused before any token stays uncounted."""
+    before = scrape(http)
+    body = {"prompt": "hi", "max_tokens": 5, "stream": True, "guided_regex": "ab\u0016"}
+    assert "error" in http.post("/v1/completions", json=body).text
+    assert http.post("/v1/completions", json=body | {"guided_regex": "\u0016"}).status_code == 400
+    after = scrape(http)
+    grew = lambda name, extra="": m(after, name, extra) - m(before, name, extra)  # noqa: E731
+    assert grew("request_success_total", 'finished_reason="error"') == 1
+    assert grew("e2e_request_latency_seconds_count") == 1
+    assert grew("request_generation_tokens_count") == 1

@@ -339,3 +339,32 @@ def test_tool_request_errors(oai):
         with pytest.raises(openai.BadRequestError) as e:
             create(oai, False, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_a_call_cut_by_max_tokens_says_length_streamed_or_not(oai):
+    """A cut output keeps finish_reason "length"; a started call is kept as far as it came
+    (as the stream sent it) after the content before it; streamed or not, the same."""
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"c": "xyz"\}\}</tool_call>'
+    kw = {"parallel_tool_calls": False, "extra_body": {"guided_regex": f"Ok {call}\n{call}"}}
+    full = oai.chat.completions.create(
+        model="tiny-qwen", messages=MSGS, tools=TOOLS, max_tokens=200, seed=1, temperature=1.0,
+        logprobs=True, **kw,
+    )  # fmt: skip
+    assert full.choices[0].finish_reason == "tool_calls"
+    texts = [t.token for t in full.choices[0].logprobs.content]
+    prefix = ["".join(texts[:c]) for c in range(len(texts) + 1)]
+
+    def first(cond) -> int:  # the first cut whose output so far meets cond
+        return next(c for c in range(2, len(texts)) if cond(prefix[c]))
+
+    cuts = {2, first(lambda t: "<tool" in t),  # inside the first tag
+            first(lambda t: '"c": "x' in t),  # inside the first call's arguments
+            first(lambda t: "</tool_call>" in t),  # the first call just closed
+            first(lambda t: t.count("<tool") == 2)}  # inside the second tag  # fmt: skip
+    partial = False
+    for cut in sorted(cuts):
+        got = create(oai, False, max_tokens=cut, **kw)
+        assert got[2] == "length" and (not got[1] or got[0] == "Ok"), (cut, got)
+        assert len(got[1]) <= 1 and create(oai, True, max_tokens=cut, **kw) == got, cut
+        partial = partial or bool(got[1] and got[1][0][1].startswith('{"c": "x'))
+    assert partial

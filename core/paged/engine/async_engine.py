@@ -456,7 +456,8 @@ class AsyncEngine:
                 i, eo = item
                 if eo.error is not None:
                     bad = eo.finish_reason == REJECTED  # the core refused it: a client error
-                    ended = "rejected" if bad else "error"
+                    # refused before any output: a 4xx, not counted; after: it ended as error
+                    ended = "rejected" if bad and not yielded else "error"
                     raise ValueError(eo.error) if bad else EngineStepError(eo.error)
                 st = states[i]
                 if st.update(eo):  # a stop string ended it: free its blocks now

@@ -110,10 +110,10 @@ def _message(sv: Serving, rid: str, content: list[dict[str, Any]]) -> dict[str, 
 def _stop(u: SeqUpdate, called: bool) -> dict[str, Any]:
     """stop_reason and stop_sequence of a finished output."""
     out = u.state.out
+    if out.finish_reason == "length":  # a cut tool_use too, as Anthropic and chat's "length"
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
     if called:
         return {"stop_reason": "tool_use", "stop_sequence": None}
-    if out.finish_reason == "length":
-        return {"stop_reason": "max_tokens", "stop_sequence": None}
     if isinstance(out.stop_reason, str):
         return {"stop_reason": "stop_sequence", "stop_sequence": out.stop_reason}
     return {"stop_reason": "end_turn", "stop_sequence": None}

@@ -107,6 +107,34 @@ def _adjust(
     return params
 
 
+def _message(parsing: ChatParsing, text: str, cut: bool) -> tuple[dict[str, Any], bool]:
+    """The non-streamed message, and whether it holds calls. An output cut by the length
+    limit inside a call keeps the call as far as it came, as a stream has sent it (its
+    arguments then are not valid JSON), with the content before it."""
+    if cut:
+        cs = parsing.streamer()
+        body = cs.feed(text, False)  # the stream's deltas of this text, joined
+        if cs.called:
+            msg: dict[str, Any] = {"role": "assistant"}
+            if parsing.reasoning is not None:
+                msg["reasoning_content"] = body.get("reasoning_content")
+            msg["content"] = body.get("content")
+            msg["tool_calls"] = [
+                {"id": c["id"], "type": "function", "function": c["function"]}
+                for c in body["tool_calls"]
+            ]
+            return msg, True
+    return parsing.message(text)
+
+
+def _joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two stream delta bodies as one."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
 def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": sv.model_name}
 
@@ -133,8 +161,9 @@ async def _full(
     for i, st in sorted(states.items()):
         message, reason = {"role": "assistant", "content": st.out.text}, st.out.finish_reason
         if parsing.active:
-            message, called = parsing.message(st.out.text)
-            reason = parsing.finish_reason(called, reason)
+            message, called = _message(parsing, st.out.text, reason == "length")
+            if reason != "length":  # as OpenAI: a cut output says so, calls or not
+                reason = parsing.finish_reason(called, reason)
         lps = None
         if req.logprobs:
             lps = chat_logprobs(sv.tokenizer, k, st.out.token_ids, st.out.logprobs or [])
@@ -198,10 +227,14 @@ async def _stream(
             delta, out = u.state.text_delta(), u.state.out
             body = {"content": delta} if delta else {}
             if parsing.active:
-                body = streams.setdefault(u.index, parsing.streamer()).feed(delta, u.state.finished)
+                cs = streams.setdefault(u.index, parsing.streamer())
+                cut = u.state.finished and out.finish_reason == "length"
+                body = cs.feed(delta, u.state.finished and not cut)
+                if cut and not cs.called:  # no call started: the text as a final parse gives it
+                    body = _joined(body, cs.feed("", True))
             if u.state.finished:
                 reason = out.finish_reason
-                if parsing.active:
+                if parsing.active and reason != "length":
                     reason = parsing.finish_reason(streams[u.index].called, reason)
                 yield chunk(u.index, body, reason, out.stop_reason)
             elif body:

@@ -97,14 +97,15 @@ class TaggedBlockParser(ToolParser):
 def split_tagged(text: str, start: str, final: bool) -> tuple[str, str | None]:
     """(content before the first `start` tag, the text after the tag or None when there is
     none). Whitespace right before a tag is a separator, not content; while not final,
-    trailing whitespace and a partial tag are held back."""
+    trailing whitespace and a partial tag are held back; a final partial tag (cut short by
+    max_tokens or a stop string) is dropped."""
     j = text.find(start)
     if j >= 0:
         return text[:j].rstrip(WS), text[j + len(start) :]
-    if final:
+    n = partial_suffix(text, start)
+    if final and not n:
         return text, None
-    held = text[: len(text) - partial_suffix(text, start)]
-    return held.rstrip(WS), None
+    return text[: len(text) - n].rstrip(WS), None
 
 
 class ToolStreamer:
