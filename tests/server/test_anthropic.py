@@ -38,7 +38,8 @@ def test_conversation_translates_to_chat_messages():
                 {"type": "thinking", "thinking": "call it", "signature": ""},
                 {"type": "text", "text": "Checking."},
                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                 "input": {"city": "Oslo", "unit": "celsius"}}]},
+                 "input": {"city": "Oslo", "unit": "celsius"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain"},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
@@ -56,7 +57,9 @@ def test_conversation_translates_to_chat_messages():
         {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "Checking.", "reasoning_content": "call it",
          "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
-             "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+             "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}},
+             {"id": "toolu_2", "type": "function", "function": {
+                 "name": "get_weather", "arguments": "{}"}}]},
         {"role": "tool", "content": "rain", "tool_call_id": "toolu_1"},
         {"role": "tool", "content": "Error: timeout", "tool_call_id": "toolu_2"},
         {"role": "user", "content": "And now?"},
@@ -74,6 +77,58 @@ def test_conversation_translates_to_chat_messages():
     chat = MessagesRequest(max_tokens=2000, messages=USER, thinking=think).to_chat("qwen3")
     assert chat.chat_template_kwargs == {"enable_thinking": True}
     assert chat.thinking_token_budget == 1024  # enforced as the chat field is
+
+
+def _refusal(body: dict) -> tuple[str, str]:
+    """(param, message) of the 400 a /v1/messages body gets from its validation."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+
+    from paged.server.anthropic_protocol import MessagesRequest
+    from paged.server.errors import validation_error
+
+    with pytest.raises(ValidationError) as e:
+        MessagesRequest.model_validate({"max_tokens": 5} | body)
+    err = validation_error(RequestValidationError(e.value.errors()))
+    return err.param, err.message
+
+
+def test_errors_name_the_field_once_and_the_deepest():
+    user = [{"role": "user", "content": "hi"}]
+    tools = {"tools": TOOLS, "messages": user}
+    cases = [
+        (tools | {"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        (tools | {"tool_choice": {"type": "none", "disable_parallel_tool_use": True}},
+         "tool_choice.disable_parallel_tool_use"),
+        ({"messages": user, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({"messages": user + [{"role": "assistant", "content": [{"type": "tool_use",
+          "id": "t", "name": "get_weather", "input": "notdict"}]}]},
+         "messages[1].content[0].input"),  # the block's field, not "content: not a string"
+        ({"messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]},
+         "messages[0].content[0].tool_use_id"),  # answers no earlier tool_use
+    ]  # fmt: skip
+    for body, field in cases:
+        param, message = _refusal(body)
+        assert param == field and message.startswith(f"{field}: "), (param, message)
+
+
+def test_sdk_dumped_blocks_are_taken_back():
+    """Blocks of an earlier reply as the SDK dumps them (citations, caller, ...): accepted."""
+    from anthropic.types import TextBlock, ToolUseBlock
+    from anthropic.types.direct_caller import DirectCaller
+
+    from paged.server.anthropic_protocol import MessagesRequest
+
+    text = TextBlock(type="text", text="Checking.", citations=None).model_dump()
+    call = ToolUseBlock(type="tool_use", id="t1", name="get_weather", input={},
+                        caller=DirectCaller(type="direct")).model_dump()  # fmt: skip
+    cited = text | {"citations": [{"type": "char_location", "cited_text": "x"}]}
+    req = MessagesRequest(max_tokens=5, tools=TOOLS, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [cited, text, call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}])  # fmt: skip
+    assert req.chat_messages()[1]["content"] == "Checking.Checking."
 
 
 def test_block_stream_joins_up_to_the_full_blocks():

@@ -55,7 +55,8 @@ def test_chat_message_parts():
             }
         ]  # fmt: skip
     )
-    assert req.messages[0].as_template_input(0) == {"role": "user", "content": "ab"}
+    # text parts joined with a newline, as vLLM joins them
+    assert req.messages[0].as_template_input(0) == {"role": "user", "content": "a\nb"}
     img = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
     with pytest.raises(ValueError, match=r"^messages\[0\]\.content"):
         img.messages[0].as_template_input(0)
@@ -145,8 +146,16 @@ def test_strict_types_and_openais_tool_rules(app_client):
     result = {"role": "tool", "content": "sunny"}
     err = _error(c.post("/v1/chat/completions", json={"messages": [user, result]}), 400)
     assert err["param"] == "messages[1].tool_call_id"
-    ok = {"messages": [user, result | {"tool_call_id": "call_1"}]}
+    # a result answers an earlier call (as OpenAI's)
+    err = _error(c.post("/v1/chat/completions", json={"messages": [
+        user, result | {"tool_call_id": "call_1"}]}), 400)  # fmt: skip
+    assert err["param"] == "messages[1].tool_call_id"
+    call = {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
+    ok = {"messages": [user, {"role": "assistant", "tool_calls": [call]},
+                       result | {"tool_call_id": "call_1"}]}  # fmt: skip
     assert c.post("/v1/chat/completions", json=ok).status_code == 200
+    empty = {"messages": [{"role": "user", "content": []}]}
+    assert _error(c.post("/v1/chat/completions", json=empty), 400)["param"] == "messages[0].content"
 
 
 def test_guard_key_and_size(app_client):

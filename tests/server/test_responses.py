@@ -159,6 +159,8 @@ def test_errors_name_the_responses_field(http):
         ({"input": [{"role": "user", "content": "x"}, call], "instructions": "Be brief."},
          "input[1].arguments"),  # the item as sent, not the chat message it becomes
         ({"input": [{"type": "function_call_output", "call_id": "c1"}]}, "input[0].output"),
+        ({"input": [{"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_image", "image_url": "x"}]}]}, "input[0].output[0].type"),
     ]  # fmt: skip
     for kw, param in cases:
         r = http.post("/v1/responses", json={"model": MODEL, "input": "x"} | kw)
@@ -170,6 +172,30 @@ def test_errors_name_the_responses_field(http):
                                                 "tool_choice": "auto"})  # fmt: skip
     same_case = http.post("/v1/responses", json={"input": "x", "tool_choice": "auto"})
     assert r.json()["error"] == same_case.json()["error"]
+
+
+def test_sent_back_items_and_metadata_limits():
+    """Output items sent back as the SDK dumps them (a message's phase), a function output as
+    input_text parts, an output answering no call, and OpenAI's metadata limits."""
+    from pydantic import ValidationError
+
+    from paged.server.responses_protocol import ResponsesRequest
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    parts = [{"type": "input_text", "text": "sun"}, {"type": "input_text", "text": "ny"}]
+    req = ResponsesRequest(input=[
+        {"type": "message", "role": "assistant", "phase": "final_answer", "content": "hi"},
+        {"type": "message", "role": "assistant", "phase": None, "content": "hi"},
+        call, {"type": "function_call_output", "call_id": "c1", "output": parts}])  # fmt: skip
+    assert req.input_messages()[-1] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    lost = {"type": "function_call_output", "call_id": "c2", "output": "x"}
+    with pytest.raises(ValidationError, match=r"input\[1\]\.call_id: no earlier"):
+        ResponsesRequest(input=[call, lost])
+    assert ResponsesRequest(input=[lost], previous_response_id="resp_1")  # the stored calls'
+    for bad in ({"k" * 65: "v"}, {"k": "v" * 513}, {str(i): "v" for i in range(17)}):
+        with pytest.raises(ValidationError, match="metadata"):
+            ResponsesRequest(input="x", metadata=bad)
+    assert ResponsesRequest(input="x", metadata={"k" * 64: "v" * 512})
 
 
 def test_developer_message_as_on_chat(client):

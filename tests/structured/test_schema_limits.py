@@ -70,7 +70,47 @@ IGNORED = [  # (schema, JSON the schema does not allow but xgrammar's grammar ta
     ({"type": "object", "properties": {"a": {"type": "integer"}},
       "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '{"a": 1}'),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 3}}, "[1]"),
+    ({"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 5}]}, "3"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "3"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependencies": {"a": ["b"]}}, '{"a": 1}'),
+    ({"type": "object", "properties": {"a": {"$ref": "http://example.com/x.json"}}},
+     '{"a": 1}'),
 ]  # fmt: skip
+
+
+def test_one_of_is_refused_unless_its_branches_are_disjoint():
+    """oneOf is enforced as anyOf: exact only where no value matches two branches."""
+    cat = {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]}
+    dog = {"type": "object", "properties": {"kind": {"enum": ["dog"]}, "n": {}},
+           "required": ["kind", "n"]}  # fmt: skip
+    fine = [
+        {"oneOf": [{"type": "string"}]},
+        {"oneOf": [{"const": 1}, {"enum": ["1", True]}]},
+        {"oneOf": [{"type": "string", "maxLength": 3}, {"type": ["integer", "null"]}]},
+        {"$defs": {"Cat": cat, "Dog": dog},
+         "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]},
+    ]  # fmt: skip
+    assert [list(unenforced(s)) for s in fine] == [[]] * len(fine)
+    overlap = [
+        {"oneOf": [{"const": 1}, {"enum": [1.0, 2]}]},
+        {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+        {"oneOf": [cat, cat | {"required": ["kind", "n"]}]},
+        {"oneOf": [{"type": "string"}, {"minimum": 1}]},
+    ]
+    assert [[w for w, _ in unenforced(s)] for s in overlap] == [[""]] * len(overlap)
+
+
+def test_external_refs_are_refused():
+    sp = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"$ref": "other.json#/x"}}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"^guided_json: at properties\.a: '\$ref' to "
+                       r"'other\.json#/x'"):  # fmt: skip
+        check_spec(sp, "guided_json")
 
 
 @pytest.mark.parametrize(("schema", "wrong"), IGNORED)

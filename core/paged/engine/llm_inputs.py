@@ -84,7 +84,7 @@ def check_conversations(convs: list[Any], single: bool) -> list[list[dict]]:
                            and isinstance(p.get("text"), str) for p in content):  # fmt: skip
                     raise ValueError(f"{where}[{i}].content: only text parts are supported "
                                      f"({{'type': 'text', 'text': ...}})")  # fmt: skip
-                m = {**m, "content": "".join(p["text"] for p in content)}
+                m = {**m, "content": "\n".join(p["text"] for p in content)}
             msgs.append(m)
         out.append(msgs)
     return out

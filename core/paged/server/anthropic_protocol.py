@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from paged.server.protocol import (
     MAX_STOP,
@@ -29,6 +29,7 @@ class TextBlock(OpenAIModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
+    citations: list[Any] | None = None  # an earlier reply's, as the SDK dumps it: not read
 
 
 class ToolUseBlock(OpenAIModel):
@@ -37,6 +38,9 @@ class ToolUseBlock(OpenAIModel):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    # an earlier reply's, as the SDK dumps them: not read
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(OpenAIModel):
@@ -60,8 +64,24 @@ class ThinkingBlock(OpenAIModel):
     signature: str | None = None
 
 
+def _block_type(v: Any) -> str | None:
+    """The block's tag: its type and " block". Pydantic puts the tag in error locations; not
+    an identifier, errors.py leaves it out (content[0].input, not content[0].tool_use.input)."""
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return f"{t} block" if isinstance(t, str) else None
+
+
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+    Annotated[TextBlock, Tag("text block")]
+    | Annotated[ToolUseBlock, Tag("tool_use block")]
+    | Annotated[ToolResultBlock, Tag("tool_result block")]
+    | Annotated[ThinkingBlock, Tag("thinking block")],
+    Discriminator(
+        _block_type,
+        custom_error_type="invalid_block",
+        custom_error_message="type: must be text, tool_use, tool_result or thinking (other "
+        "blocks are not supported)",
+    ),
 ]
 
 
@@ -87,10 +107,11 @@ class ToolChoice(OpenAIModel):
 
     @model_validator(mode="after")
     def _name_iff_tool(self) -> ToolChoice:
+        # fields named within tool_choice: the error's location prefixes them
         if (self.type == "tool") != (self.name is not None):
-            raise ValueError('tool_choice.name: required with type "tool", and only with it')
+            raise ValueError('name: required with type "tool", and only with it')
         if self.type == "none" and self.disable_parallel_tool_use:
-            raise ValueError('tool_choice.disable_parallel_tool_use: not with type "none"')
+            raise ValueError('disable_parallel_tool_use: not with type "none"')
         return self
 
 
@@ -105,7 +126,7 @@ class Thinking(OpenAIModel):
     @model_validator(mode="after")
     def _budget_iff_enabled(self) -> Thinking:
         if (self.type == "enabled") != (self.budget_tokens is not None):
-            raise ValueError('thinking.budget_tokens: required with type "enabled", and only then')
+            raise ValueError('budget_tokens: required with type "enabled", and only then')
         return self
 
 
@@ -144,6 +165,15 @@ class CountTokensRequest(RequestBody):
             )
         if choice is not None and choice.type in ("any", "tool") and not names:
             raise ValueError(f"tool_choice: {choice.type!r} needs tools")
+        calls: set[str] = set()  # tool_use ids so far: a tool_result answers one of them
+        for i, m in enumerate(self.messages):
+            for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+                if isinstance(b, ToolUseBlock):
+                    calls.add(b.id)
+                elif isinstance(b, ToolResultBlock) and b.tool_use_id not in calls:
+                    raise ValueError(f"messages[{i}].content[{j}].tool_use_id: "
+                                     f"{b.tool_use_id[:100]!r} answers no earlier tool_use "
+                                     "block")  # fmt: skip
         return self
 
     def chat_request(

@@ -90,20 +90,30 @@ def _where(err: dict) -> str:
     return _loc(tuple(err.get("loc", ())), key=err.get("type") == "extra_forbidden")
 
 
+def _within(where: str, top: str) -> bool:
+    return top == "body" or where == top or where.startswith((top + ".", top + "["))
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errs = exc.errors()
     if not errs:
         return APIError(400, "invalid request body")
     if errs[0].get("type") == "json_invalid":
         return APIError(400, "body: invalid JSON", param="body")
-    # A union field fails once per alternative: lead with a broken constraint (more telling
-    # than "not a string"), then say each message of that field once.
-    kinds = [str(e.get("type", "")) for e in errs]
-    mismatch = [k.endswith(("_type", "_parsing")) for k in kinds]
-    first = errs[mismatch.index(False)] if False in mismatch else errs[0]
+    # A union field fails once per alternative (errors at or below the first error's field):
+    # lead with the alternative that got furthest (the deepest location: its discriminator
+    # matched, say), then with a broken constraint (more telling than "not a string"), then
+    # say each message of that field once.
+    top = _where(errs[0])
+    errs = [e for e in errs if _within(_where(e), top)]
+
+    def rank(e: dict) -> tuple[int, bool]:
+        return len(e.get("loc", ())), not str(e.get("type", "")).endswith(("_type", "_parsing"))
+
+    first = max(errs, key=rank)  # the first of the best
     param = _where(first)
     msgs: list[str] = []
-    for e in [first] if False in mismatch else errs:
+    for e in [first] if rank(first)[1] else errs:
         if _where(e) != param:
             continue
         msg = "field required" if e.get("type") == "missing" else str(e.get("msg", "invalid"))

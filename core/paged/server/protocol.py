@@ -355,6 +355,8 @@ class ChatMessage(BaseModel):
                              "message needs it")  # fmt: skip
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: missing: a tool message needs the id of its call")
+        if self.content == [] and self.role != "assistant":
+            raise ValueError("content: empty: give a string or at least one part")
         return self
 
     def as_template_input(self, index: int) -> dict[str, Any]:
@@ -362,7 +364,7 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             if any(p.type != "text" or p.text is None for p in content):
                 raise ValueError(f"messages[{index}].content: only text parts are supported")
-            content = "".join(p.text or "" for p in content)
+            content = "\n".join(p.text or "" for p in content)  # as vLLM joins text parts
         msg = self.model_dump(exclude_none=True)
         msg["content"] = content or ""
         if self.tool_calls is not None:
@@ -380,7 +382,7 @@ class ChatMessage(BaseModel):
     def text_length(self) -> int:
         """Characters of text content (what tokenizing it costs)."""
         if isinstance(self.content, list):
-            return sum(len(p.text or "") for p in self.content)
+            return sum(len(p.text or "") + 1 for p in self.content)
         return len(self.content or "")
 
 
@@ -462,6 +464,14 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
                 )
         elif choice not in (None, "none") and not self.tools:
             raise ValueError(f"tool_choice: {choice!r} needs tools")
+        calls: set[str] = set()  # a tool message answers an earlier call (as OpenAI's)
+        for i, m in enumerate(self.messages):
+            calls.update(c.id for c in m.tool_calls or [])
+            if m.role == "tool" and m.tool_call_id not in calls:
+                raise ValueError(
+                    f"messages[{i}].tool_call_id: no earlier assistant tool call has the id "
+                    f"{str(m.tool_call_id)[:100]!r}"
+                )
         return self
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:

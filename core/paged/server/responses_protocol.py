@@ -34,10 +34,11 @@ class MessageItem(OpenAIModel):
     content: str | Annotated[list[Part], Field(min_length=1)]
     id: str | None = None  # an output item sent back
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None  # an output item's: not read
 
     def text(self) -> str:
         c = self.content
-        return c if isinstance(c, str) else "".join(p.text for p in c)
+        return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
 
 class FunctionCallItem(OpenAIModel):
@@ -62,9 +63,13 @@ class FunctionCallItem(OpenAIModel):
 class FunctionCallOutputItem(OpenAIModel):
     type: Literal["function_call_output"]
     call_id: Annotated[str, Field(min_length=1, max_length=256)]
-    output: str
+    output: str | Annotated[list[InputText], Field(min_length=1)]  # parts: their texts joined
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        o = self.output
+        return o if isinstance(o, str) else "".join(p.text for p in o)
 
 
 def _item_type(v: Any) -> str:
@@ -132,8 +137,12 @@ class ResponsesRequest(RequestBody):
     previous_response_id: Annotated[str, Field(max_length=256)] | None = None
     store: bool = True
     metadata: (
-        Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None
-    ) = None
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = None  # OpenAI's limits
     user: str | None = None  # as chat's; echoed in the response
     text: TextConfig | None = None
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
@@ -152,6 +161,16 @@ class ResponsesRequest(RequestBody):
             raise ValueError(f"tool_choice: the function {c.name[:100]!r} is not in tools")
         elif c not in (None, "none") and not names:  # as chat refuses it
             raise ValueError(f"tool_choice: {c!r} needs tools")
+        # an output answers an earlier call (as OpenAI's; with previous_response_id the calls
+        # may be stored ones: checked on the joined conversation)
+        calls: set[str] = set()
+        alone = isinstance(self.input, list) and self.previous_response_id is None
+        for i, item in enumerate(self.input if alone else ()):
+            if isinstance(item, FunctionCallItem):
+                calls.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+                raise ValueError(f"input[{i}].call_id: no earlier function_call has the call_id "
+                                 f"{item.call_id[:100]!r}")  # fmt: skip
         return self
 
     def input_messages(self) -> list[dict[str, Any]]:
@@ -173,7 +192,7 @@ class ResponsesRequest(RequestBody):
                     out.append(last := {"role": "assistant", "content": ""})
                 last.setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
     def chat_fields(self) -> dict[str, Any]:
