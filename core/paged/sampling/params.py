@@ -208,7 +208,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if self.top_k < -1:
-            bad("top_k", "must be -1 (off) or positive")
+            bad("top_k", "must be -1 or 0 (off) or positive")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
         if self.repetition_penalty <= 0:
