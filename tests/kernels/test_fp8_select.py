@@ -136,13 +136,13 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
     engines_on(Fp8OnCpu())
     rows, ops_first = [], []
     real, real_norm = fp8_gemv.fp8_gemv_split, fp8_gemv.fused_add_rms_norm
-    real_silu = fp8_gemv.silu_mul_absmax
+    real_silu = fp8_gemv.silu_and_mul_absmax
     monkeypatch.setattr(fp8_gemv, "fp8_gemv_split", lambda x, *a, **kw: rows.append(
         (len(x), a[5] is not None if len(a) > 5 else False, a[6] if len(a) > 6 else False))
         or real(x, *a, **kw))  # fmt: skip
     monkeypatch.setattr(fp8_gemv, "fused_add_rms_norm", lambda *a: ops_first.append("norm")
                         or real_norm(*a))  # fmt: skip
-    monkeypatch.setattr(fp8_gemv, "silu_mul_absmax", lambda x: ops_first.append("silu")
+    monkeypatch.setattr(fp8_gemv, "silu_and_mul_absmax", lambda x: ops_first.append("silu")
                         or real_silu(x))  # fmt: skip
     prompt = list(range(3, 40, 3))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -201,7 +201,7 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     ops_first = []  # the op's own kernel writing the absmax
     monkeypatch.setattr(fp8_select, "fused_add_rms_norm", lambda x, r, g, eps, amax:
                         ops_first.append("norm") or (x, r))  # fmt: skip
-    monkeypatch.setattr(fp8_select, "silu_mul_absmax", lambda x: ops_first.append("silu")
+    monkeypatch.setattr(fp8_select, "silu_and_mul_absmax", lambda x: ops_first.append("silu")
                         or (x, torch.ones(len(x), 1)))  # fmt: skip
     norms = []
     real_norm = llm.engine.runner.op_table["fused_add_rms_norm"]

@@ -5,7 +5,7 @@ few output blocks (Llama-3.1-8B's o_proj and down: 64 blocks of 64 rows) fills t
 only when K is split too.
 
 Every program reads the whole rows for their absmax (the token's scale, as the unsplit kernel
-computes it; or takes it from the op before, X_AMAX: fp8_act), quantizes its slice of them
+computes it; or takes it from the op's kernel, X_AMAX), quantizes its slice of them
 and multiplies its slice of the weight; it writes float32 partial sums, and the last program
 of an output block (counted atomically) adds the SPLIT partials in slice order, scales them,
 adds the bias, stores the block and resets its counter. So the result is the unsplit
@@ -29,8 +29,7 @@ import triton.language as tl
 
 from paged.kernels import pdl
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
-from paged.kernels.fp8_act import silu_mul_absmax
-from paged.kernels.fused import fused_add_rms_norm, rms_scaled, silu_mul
+from paged.kernels.fused import fused_add_rms_norm, rms_scaled, silu_and_mul_absmax, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
@@ -49,7 +48,8 @@ def _fp8_gemv_split_kernel(
     power of 2) rows are loaded, each filling 16 / ROWS adjacent columns of the dot, as in
     _fp8_gemv_dot_kernel. The rows' absmax is read AMAX_K columns a step (a few wide loads,
     not K / BLOCK_K dependent ones), or under X_AMAX is the max of xs_cols partial maxima a
-    row at xs_ptr (fp8_act). The first weight tile is loaded
+    row at xs_ptr (fused.fused_add_rms_norm's or silu_and_mul_absmax's). The first weight
+    tile is loaded
     before the PDL wait (`pdl`): no kernel writes the weight."""
     REP: tl.constexpr = 16 // ROWS
     pid_n = tl.program_id(0)
@@ -194,7 +194,8 @@ def fp8_gemv_split(
     `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x;
     returns (out, x + residual), the new residual in a new tensor. `silu_mul`: x is [M, 2K], a
     gated MLP's gate/up output, and the input is silu_and_mul(x) (not with `norm`). `x_amax`
-    [M, P] (neither): the rows' absmax is the max of these (fp8_act), not read from x."""
+    [M, P] (neither): the rows' absmax is the max of these (the op's kernel wrote them), not
+    read from x."""
     m, k = x.shape
     n = weight.shape[0]
     assert scale.shape[1] == 1 and m <= DOT_WIDTH and x.stride(1) == 1
@@ -237,7 +238,8 @@ class Fp8SplitGemv:
     it also runs the residual add and RMSNorm, or SiLU-and-mul, before the projection, as
     gemv.OneRowGemv does for 16-bit weights. `rows` says who computes that op and the rows'
     absmax (the per-token scale): "fold", every program of the GEMV, over the whole row;
-    "amax", the op's kernel, once, before the GEMV (fp8_act; the norm's inputs are then
+    "amax", the op's kernel, once, before the GEMV (fused.py: fused_add_rms_norm's `amax`,
+    silu_and_mul_absmax; the norm's inputs are then
     updated in place, as fused_add_rms_norm does)."""
 
     ROWS = ("fold", "amax")
@@ -272,6 +274,6 @@ class Fp8SplitGemv:
             x, res = fused_add_rms_norm(x, norm[0], norm[1], norm[2], amax)
             return fp8_gemv_split(x, w, s, b, config, counters, x_amax=amax), res
         if self.rows == "amax" and silu_mul:
-            act, amax = silu_mul_absmax(x)
+            act, amax = silu_and_mul_absmax(x)
             return fp8_gemv_split(act, w, s, b, config, counters, x_amax=amax)
         return fp8_gemv_split(x, w, s, b, config, counters, norm, silu_mul)

@@ -229,27 +229,49 @@ def rotary_embedding(
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
+    x_ptr, out_ptr, amax_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr,
+    AMAX: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    y = silu_mul(gate, up)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = silu_mul(gate, up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+    if AMAX:  # this block's absmax of the output (an fp8 linear's per-token scale after it)
+        blocks = tl.num_programs(1)
+        tl.store(amax_ptr + row * blocks + tl.program_id(1), tl.max(tl.abs(y.to(tl.float32)), 0))
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`silu(x[..., :I]) * x[..., I:]` for x `[..., 2*I]`; allocates `out` when not given."""
+def _silu_block(inter: int) -> int:
+    return min(1024, triton.next_power_of_2(inter))
+
+
+def silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None = None, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`silu(x[..., :I]) * x[..., I:]` for x `[..., 2*I]`; allocates `out` when not given.
+    `amax` (float32 [rows, blocks]: silu_and_mul_absmax's): each block's absmax written there."""
     inter = x.shape[-1] // 2
     if out is None:
         out = x.new_empty(*x.shape[:-1], inter)
     x2, o2 = _rows(x), _rows(out)
     if x2.shape[0]:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = _silu_block(inter)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch()
-        )
+            x2, o2, amax if amax is not None else o2, x2.stride(0), o2.stride(0), inter,
+            BLOCK=block, AMAX=amax is not None, num_warps=4, **pdl.launch(),
+        )  # fmt: skip
     return out
+
+
+def silu_and_mul_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu_and_mul(x) [M, I], float32 [M, P]: the absmax of each block of it) for x [M, 2I]:
+    the activation before an fp8 down projection with what its per-token scale needs, the max
+    of P numbers left to the GEMV (`fp8_gemv.fp8_gemv_split(x_amax=...)`)."""
+    inter = x.shape[-1] // 2
+    amax = torch.empty(x.shape[0], triton.cdiv(inter, _silu_block(inter)), dtype=torch.float32,
+                       device=x.device)  # fmt: skip
+    return silu_and_mul(x, amax=amax), amax

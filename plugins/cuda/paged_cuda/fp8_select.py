@@ -10,7 +10,7 @@ configurations) are timed at one row, each in a CUDA graph over every weight of 
 RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
 unsplit GEMV, against the split kernel with the op folded in (every program computes it and
 the token's scale over the whole row), and against the op's own kernel writing the rows'
-absmax for the split kernel (paged.kernels.fp8_act), as gemv_select times 16-bit linears. A
+absmax for the split kernel (paged.kernels.fused), as gemv_select times 16-bit linears. A
 shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN runs it
 for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
@@ -24,9 +24,8 @@ import torch
 import triton
 from torch import nn
 
-from paged.kernels.fp8_act import silu_mul_absmax
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
-from paged.kernels.fused import fused_add_rms_norm
+from paged.kernels.fused import fused_add_rms_norm, silu_and_mul_absmax
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
 from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
 
@@ -130,7 +129,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
 
         def call(m: nn.Module) -> torch.Tensor:
             if rows == "amax" and silu:
-                act, parts = silu_mul_absmax(x)
+                act, parts = silu_and_mul_absmax(x)
                 return fp8_gemv_split(act, m.weight, m.weight_scale, m.bias, config, counters,
                                       x_amax=parts)  # fmt: skip
             if rows == "amax":

@@ -1,6 +1,7 @@
-"""The op before a decode fp8 linear writing the rows' absmax (paged.kernels.fp8_act, the
-norm's `amax`) and the split fp8 GEMV taking it (`fp8_gemv_split(x_amax=...)`, Fp8SplitGemv's
-rows "amax"): the op's own outputs, the GEMV's products as when it reads the absmax itself."""
+"""The op before a decode fp8 linear writing the rows' absmax (paged.kernels.fused: the
+norm's `amax`, silu_and_mul_absmax) and the split fp8 GEMV taking it
+(`fp8_gemv_split(x_amax=...)`, Fp8SplitGemv's rows "amax"): the op's own outputs, the GEMV's
+products as when it reads the absmax itself."""
 
 import pytest
 import torch
@@ -34,20 +35,21 @@ def test_the_norm_writes_its_rows_absmax(device, dtype, m, k):
     assert torch.equal(amax, want_x.float().abs().amax(1, keepdim=True))
 
 
-@pytest.mark.parametrize("m, k", [(1, 96), (3, 1100)])
-def test_silu_mul_absmax_and_the_gemv_taking_the_max(device, m, k):
+@pytest.mark.parametrize("m, k", [(1, 96), (3, 2500)])
+def test_silu_and_mul_absmax_and_the_gemv_taking_the_max(device, m, k):
     """The activation bit-equal to silu_and_mul's, each block's absmax of it; the GEMV on it
     with the max of those partials bit-equal to the GEMV computing the absmax itself."""
     from paged.kernels import silu_and_mul
-    from paged.kernels.fp8_act import silu_mul_absmax
     from paged.kernels.fp8_gemv import fp8_gemv_split, split_counters
+    from paged.kernels.fused import silu_and_mul_absmax
 
     gate_up = _inputs(m, k, torch.bfloat16, k)[3].to(device)
-    act, amax = silu_mul_absmax(gate_up, block=64)
+    act, amax = silu_and_mul_absmax(gate_up)
     want = silu_and_mul(gate_up)
-    assert torch.equal(act, want) and amax.shape == (m, -(-k // 64))
-    padded = torch.nn.functional.pad(want.float().abs(), (0, amax.shape[1] * 64 - k))
-    assert torch.equal(amax, padded.view(m, -1, 64).amax(-1))
+    block = min(1024, 1 << (k - 1).bit_length())  # silu_and_mul's blocks of columns
+    assert torch.equal(act, want) and amax.shape == (m, -(-k // block))
+    padded = torch.nn.functional.pad(want.float().abs(), (0, amax.shape[1] * block - k))
+    assert torch.equal(amax, padded.view(m, -1, block).amax(-1))
     g = torch.Generator().manual_seed(k)
     wq, ws = (t.to(device) for t in ref.quantize_fp8_rows(torch.randn(40, k, generator=g)))
     config = (16, 64, 3, 4, 2)
