@@ -4,11 +4,10 @@ conversation it cannot run is a TypeError / ValueError naming the argument, befo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from numbers import Integral
 from typing import Any
 
 from paged.lora.request import LoRARequest
-from paged.sampling.params import SamplingParams
+from paged.sampling.params import SamplingParams, is_int
 
 # The roles the server's chat route takes (paged.server.protocol.ChatMessage.role).
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,7 +34,7 @@ def _not_token_ids(ids: Any) -> str | None:
     if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
         return f"got {type(ids).__name__}"
     for j, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, Integral):
+        if not is_int(t):
             return f"[{j}] is {type(t).__name__} {t!r:.40}"
     return None
 

@@ -133,7 +133,7 @@ class SamplingParams:
             self.stop = list(self.stop or [])
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple):
             self.stop_token_ids = list(self.stop_token_ids or [])
-        if _is_int(self.output_kind) and self.output_kind in set(RequestOutputKind):
+        if is_int(self.output_kind) and self.output_kind in set(RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
         self.validate()
 
@@ -150,11 +150,11 @@ class SamplingParams:
             if not _is_number(getattr(self, name)):
                 bad(name, "must be a number")
         for name in ("n", "top_k", "min_tokens"):
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 bad(name, "must be an integer")
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of",
                      "thinking_token_budget"):  # fmt: skip
-            if getattr(self, name) is not None and not _is_int(getattr(self, name)):
+            if getattr(self, name) is not None and not is_int(getattr(self, name)):
                 bad(name, "must be an integer or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens"):  # fmt: skip
@@ -162,11 +162,11 @@ class SamplingParams:
                 bad(name, "must be a bool")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             bad("stop", "must be a string or a list of strings")
-        if not isinstance(self.stop_token_ids, list) or not all(map(_is_int, self.stop_token_ids)):
+        if not isinstance(self.stop_token_ids, list) or not all(map(is_int, self.stop_token_ids)):
             bad("stop_token_ids", "must be a list of integer token ids")
         for name in ("structured_outputs_after", "reasoning_end_ids", "allowed_token_ids"):
             ids = getattr(self, name)
-            if ids is not None and not (isinstance(ids, list | tuple) and all(map(_is_int, ids))):
+            if ids is not None and not (isinstance(ids, list | tuple) and all(map(is_int, ids))):
                 bad(name, "must be a list of integer token ids")
         if self.bad_words is not None and not isinstance(self.bad_words, list | tuple):
             bad("bad_words", "must be a list of strings")
@@ -175,7 +175,7 @@ class SamplingParams:
             if not isinstance(bias, dict):
                 bad("logit_bias", "must be a dict of token id (int) to bias (float)")
             for k, v in bias.items():
-                if not _is_int(k):
+                if not is_int(k):
                     raise TypeError(f"logit_bias: keys must be integer token ids, got "
                                     f"{type(k).__name__} {k!r:.20}")  # fmt: skip
                 if not _is_number(v) or not math.isfinite(v):
@@ -276,7 +276,8 @@ class SamplingParams:
         )
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
+    """An integer (a token id, a count), not a bool."""
     return isinstance(v, Integral) and not isinstance(v, bool)
 
 
