@@ -300,6 +300,7 @@ class LLM:
         seqs: dict[str, Request] = {}  # the engine's, for their timings
         order = []
         inbox: deque[EngineOutput] = deque()  # this call's engine outputs, in engine order
+        mine: list[str] = []  # this call's sequence ids, routed to the inbox
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm)
         try:
             for k, ((text, ids), p) in enumerate(zip(prompts, params)):
@@ -310,8 +311,8 @@ class LLM:
                 p = with_best_of_logprobs(p)
                 lora = loras[k] if loras else None
                 cids = sequence_ids(rid, p.num_sequences)
-                for cid in cids:  # before add_request: whatever fails next, it is aborted
-                    self._routes[cid] = inbox
+                mine += cids  # before add_request: whatever fails next, it is aborted
+                self._routes.update(dict.fromkeys(cids, inbox))
                 self.engine.add_request(rid, ids, p, lora)  # n sequences, one prompt computed
                 for i, cid in enumerate(cids):
                     st = OutputState(i, self.tokenizer, ids, sample_params(p, i),
@@ -352,7 +353,6 @@ class LLM:
                 yield res, st, [s for s, _ in by_rid[rid]], done
         finally:  # done, failed or closed early: nothing of this call stays in the engine
             bar.close()
-            mine = [cid for cid, q in self._routes.items() if q is inbox]
             for cid in mine:
                 del self._routes[cid]
             self.engine.abort(mine)
