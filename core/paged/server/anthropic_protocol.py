@@ -15,6 +15,7 @@ from paged.server.protocol import (
     ChatCompletionRequest,
     OpenAIModel,
     RequestBody,
+    type_tag,
 )
 
 
@@ -64,20 +65,13 @@ class ThinkingBlock(OpenAIModel):
     signature: str | None = None
 
 
-def _block_type(v: Any) -> str | None:
-    """The block's tag: its type and " block". Pydantic puts the tag in error locations; not
-    an identifier, errors.py leaves it out (content[0].input, not content[0].tool_use.input)."""
-    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
-    return f"{t} block" if isinstance(t, str) else None
-
-
 Block = Annotated[
     Annotated[TextBlock, Tag("text block")]
     | Annotated[ToolUseBlock, Tag("tool_use block")]
     | Annotated[ToolResultBlock, Tag("tool_result block")]
     | Annotated[ThinkingBlock, Tag("thinking block")],
     Discriminator(
-        _block_type,
+        lambda v: type_tag(v, "block"),
         custom_error_type="invalid_block",
         custom_error_message="type: must be text, tool_use, tool_result or thinking (other "
         "blocks are not supported)",

@@ -33,6 +33,14 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses seed + i
 
 
+def type_tag(v: Any, kind: str, default: str | None = None) -> str | None:
+    """A tagged union's tag for v: its `type` (else `default`) and " <kind>". Pydantic puts
+    the tag in error locations; not an identifier, errors.py leaves it out (input[1].arguments,
+    not input[1].function_call.arguments)."""
+    t = (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or default
+    return f"{t} {kind}" if isinstance(t, str) else None
+
+
 class OpenAIModel(BaseModel):
     # Every field is honoured or refused: an unknown one is a 400 naming it, never ignored.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from paged.server.protocol import MAX_TOOLS, OpenAIModel, RequestBody
+from paged.server.protocol import MAX_TOOLS, OpenAIModel, RequestBody, type_tag
 
 
 class InputText(OpenAIModel):
@@ -72,19 +72,12 @@ class FunctionCallOutputItem(OpenAIModel):
         return o if isinstance(o, str) else "".join(p.text for p in o)
 
 
-def _item_type(v: Any) -> str:
-    """The item's tag: its type and " item". Pydantic puts the tag in error locations; not an
-    identifier, errors.py leaves it out (input[1].arguments, not input[1].function_call...)."""
-    t = (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
-    return f"{t} item"
-
-
 Item = Annotated[
     Annotated[MessageItem, Tag("message item")]
     | Annotated[FunctionCallItem, Tag("function_call item")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output item")],
     Discriminator(
-        _item_type,
+        lambda v: type_tag(v, "item", "message"),
         custom_error_type="invalid_item",
         custom_error_message="type: must be message, function_call or function_call_output "
         "(other items are not supported)",
