@@ -258,7 +258,7 @@ def polyfill(
     for m in conversation:
         role = m.get("role")
         if results and role == "tool":
-            wrapped = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
+            wrapped = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
             if merged:
                 out[-1]["content"] += "\n" + wrapped
             else:
@@ -309,19 +309,11 @@ def _tool_dicts(tools: list) -> list[dict]:
     return [get_json_schema(t) if callable(t) else t for t in tools]
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, list):  # text parts
-        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-    return content or ""
-
-
-def _append(content: Any, text: str, sep: str) -> Any:
-    if isinstance(content, list):
-        return [*content, {"type": "text", "text": sep + text if content else text}]
+# Message contents are strings here: both callers join text parts first (the server's
+# ChatMessage.as_template_input, llm_inputs.check_conversations).
+def _append(content: str | None, text: str, sep: str) -> str:
     return f"{content}{sep}{text}" if content else text
 
 
-def _prepend(content: Any, text: str, sep: str) -> Any:
-    if isinstance(content, list):
-        return [{"type": "text", "text": text + sep if content else text}, *content]
+def _prepend(content: str | None, text: str, sep: str) -> str:
     return f"{text}{sep}{content}" if content else text
