@@ -1,10 +1,11 @@
-"""Shared by the benchmarks: a vLLM-style result table and ``--save-json``."""
+"""Shared by the benchmarks: a vLLM-style result table, ``--save-json``, and their flag checks."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -66,3 +67,33 @@ def save_json(path: str, args: argparse.Namespace, metrics: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
     print(f"saved {path}", file=sys.stderr)
+
+
+def flag_error(
+    args: argparse.Namespace, least: dict[str, float], above: dict[str, float] | None = None
+) -> str:
+    """The first flag below its `least` value or not above its `above` bound, as a message
+    naming it ('' when all are fine); a flag unset (None) or absent is skipped, nan refused."""
+    for name, bound in least.items():
+        v = getattr(args, name, None)
+        if v is not None and not v >= bound:
+            return f"--{name.replace('_', '-')} must be at least {bound}, not {v}"
+    for name, bound in (above or {}).items():
+        v = getattr(args, name, None)
+        if v is not None and not v > bound:
+            return f"--{name.replace('_', '-')} must be more than {bound}, not {v}"
+    return ""
+
+
+def save_json_error(path: str | None) -> str:
+    """Why --save-json could not be written, found before the benchmark runs ('' if it can)."""
+    if not path:
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--save-json: {path} is a directory"
+    if not os.path.isdir(folder):
+        return f"--save-json: no directory {folder}"
+    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
+        return f"--save-json: cannot write {path}"
+    return ""

@@ -8,7 +8,6 @@ Random token-id prompts of ``--input-len``, ``--output-len`` tokens each with ig
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -16,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from paged.cli.bench_common import print_metrics, save_json, stats
+from paged.cli.bench_common import flag_error, print_metrics, save_json, save_json_error, stats
 
 if TYPE_CHECKING:
     from paged.config import EngineConfig
@@ -70,36 +69,6 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
 # the least value of each count and length flag (the --hf-* ones of --baseline hf too)
 LEAST = dict(input_len=1, output_len=1, num_prompts=1, batch_size=1, num_iters=1,
              num_iters_warmup=0, hf_batch_size=1, hf_num_iters=1, hf_num_prompts=1)  # fmt: skip
-
-
-def flag_error(
-    args: argparse.Namespace, least: dict[str, float], above: dict[str, float] | None = None
-) -> str:
-    """The first flag below its `least` value or not above its `above` bound, as a message
-    naming it ('' when all are fine); a flag unset (None) or absent is skipped, nan refused."""
-    for name, bound in least.items():
-        v = getattr(args, name, None)
-        if v is not None and not v >= bound:
-            return f"--{name.replace('_', '-')} must be at least {bound}, not {v}"
-    for name, bound in (above or {}).items():
-        v = getattr(args, name, None)
-        if v is not None and not v > bound:
-            return f"--{name.replace('_', '-')} must be more than {bound}, not {v}"
-    return ""
-
-
-def save_json_error(path: str | None) -> str:
-    """Why --save-json could not be written, found before the benchmark runs ('' if it can)."""
-    if not path:
-        return ""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"--save-json: {path} is a directory"
-    if not os.path.isdir(folder):
-        return f"--save-json: no directory {folder}"
-    if not os.access(folder, os.W_OK) or os.path.exists(path) and not os.access(path, os.W_OK):
-        return f"--save-json: cannot write {path}"
-    return ""
 
 
 def checked_config(args: argparse.Namespace) -> EngineConfig | None:

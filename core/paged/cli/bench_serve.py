@@ -16,8 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from paged.cli.bench_common import print_metrics, save_json, stats
-from paged.cli.bench_offline import flag_error, save_json_error
+from paged.cli.bench_common import flag_error, print_metrics, save_json, save_json_error, stats
 from paged.cli.bench_prompts import Prompt, dataset_prompts, random_prompts
 
 # bounds of the numeric flags, checked before the server is contacted: the least value of
