@@ -54,6 +54,19 @@ def test_refusals_name_the_key(value, field):
         EngineConfig(speculative_config=value)
 
 
+def test_a_draft_leaves_the_targets_lora_flags_behind():
+    from paged.spec_decode.draft import proposer_config
+
+    target = EngineConfig(
+        enable_lora=True, lora_modules=[{"name": "a", "path": "/a"}], max_loras=2,
+        max_lora_rank=32, max_cpu_loras=4,
+        speculative_config={"model": "/draft", "num_speculative_tokens": 2},
+    )  # fmt: skip
+    draft = proposer_config(target)  # its config was refused: "lora_modules: ... --enable-lora"
+    assert draft.model == "/draft" and not draft.enable_lora and not draft.lora_modules
+    assert (draft.max_loras, draft.max_lora_rank, draft.max_cpu_loras) == (1, 16, None)
+
+
 def test_refused_combinations():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(

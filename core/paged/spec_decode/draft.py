@@ -19,7 +19,9 @@ from paged.spec_decode.drafting import DraftView, RunnerProposer
 
 log = logging.getLogger("paged")
 # EngineConfig fields that describe the target alone (reset for the draft where present).
-_TARGET_ONLY = ("tokenizer", "quantization", "enable_lora", "runner", "pooler_config",
+# The draft serves no LoRA adapter: the target's LoRA flags would refuse its config.
+_TARGET_ONLY = ("tokenizer", "quantization", "enable_lora", "lora_modules", "max_loras",
+                "max_lora_rank", "max_cpu_loras", "runner", "pooler_config",
                 "served_model_name", "chat_template")  # fmt: skip
 
 
