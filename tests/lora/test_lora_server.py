@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 N = 8
 PROMPTS = {"alpha": [7, 21, 99, 4, 250, 31], "beta": [15, 2, 88, 140, 9], None: [61, 3, 77, 200]}
@@ -111,6 +112,9 @@ def test_models_lists_adapters(http):
     by_id = {m["id"]: m for m in data}
     assert set(by_id) == {"base", "alpha"}
     assert by_id["alpha"]["parent"] == "base" and by_id["base"]["parent"] is None
+    for name, card in by_id.items():  # GET /v1/models/{id}: the same entry, adapters too
+        assert http.get(f"/v1/models/{name}").json() == card, name
+    assert http.get("/v1/models/gamma").json()["error"]["code"] == "model_not_found"
 
 
 def test_model_field_selects_adapter(http, hf_models, hf_greedy):
@@ -173,4 +177,38 @@ def test_more_adapters_than_slots_complete(server, http, adapters, hf_models, hf
     metrics = http.get("/metrics").text
     usage = re.search(r"^paged:kv_cache_usage_perc\{[^}]*\} (\S+)$", metrics, re.M)
     assert usage is not None and float(usage.group(1)) == 0.0
+    assert http.get("/health").status_code == 200
+
+
+def reshaped(src: str, out: Path, key: str, grow: int) -> str:
+    """A copy of the adapter at `src` whose tensors named `...{key}` have `grow` more columns
+    (lora_A: more input features) or rows (lora_B: more output features)."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    (out / "adapter_config.json").write_text((Path(src) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(src) / "adapter_model.safetensors"))
+    for k, t in tensors.items():
+        if k.endswith(key):
+            pad = (0, grow) if ".lora_A." in k else (0, 0, 0, grow)
+            tensors[k] = torch.nn.functional.pad(t, pad)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return str(out)
+
+
+def test_an_adapter_for_another_model(http, adapters, tmp_path):
+    """Another hidden size is refused on load (naming lora_path); another intermediate size
+    only shows against the model's projections, on the first request: a 400 naming model."""
+    wide = reshaped(adapters["alpha"], tmp_path / "wide", "q_proj.lora_A.weight", 8)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": wide})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    assert "hidden size" in r.json()["error"]["message"]
+    assert "wide" not in {m["id"] for m in http.get("/v1/models").json()["data"]}
+    mlp = reshaped(adapters["alpha"], tmp_path / "mlp", "down_proj.lora_A.weight", 8)
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": mlp})
+    assert r.status_code == 200, r.text
+    r = complete(http, "mlp", [1, 2, 3])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "down_proj" in r.json()["error"]["message"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
     assert http.get("/health").status_code == 200

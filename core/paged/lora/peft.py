@@ -182,6 +182,25 @@ def check_shapes(spec: AdapterSpec, expected: dict[str, tuple[int, int]], num_la
             )
 
 
+# projections that read the residual stream (the rest write it: o_proj, down_proj)
+READS_HIDDEN = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", *FUSED}
+
+
+def check_fits(spec: AdapterSpec, hidden_size: int, num_layers: int) -> None:
+    """AdapterError for an adapter plainly made for another model: a layer the model lacks,
+    or a projection whose residual-stream side is not `hidden_size` (what a server checks on
+    load; the engine checks every shape, check_shapes, when a request first uses it)."""
+    for (layer, mod), (a, b) in sorted(spec.shapes.items()):
+        if layer >= num_layers:
+            raise AdapterError(f"adapter: layer {layer}, but the model has {num_layers} layers")
+        side = a[1] if mod in READS_HIDDEN else b[0]
+        if side != hidden_size:
+            raise AdapterError(
+                f"adapter: layer {layer} {mod}: lora_A {a} / lora_B {b} do not fit the model's "
+                f"hidden size {hidden_size} (an adapter for another model?)"
+            )
+
+
 def load_tensors(spec: AdapterSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """{(layer, module): (A [r, in], B [out, r] x scale)} in float32 on the host."""
     out: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

@@ -3,9 +3,10 @@
 
 Each load gets a new integer id (so an unloaded name loaded again from another directory is
 never mistaken for the old adapter by the engine's slots or prefix cache). The adapter's
-files are read and checked here (config, tensor names, rank), off the event loop; the engine
-checks the shapes against the model when a request first uses it (a mismatch is a 400 on
-that request). Requests carry the adapter's path, so every replica can load it on its own.
+files are read and checked here (config, tensor names, rank, layers and hidden size against
+the model's config), off the event loop; the engine checks every shape against the model when
+a request first uses it (a mismatch is a 400 on that request, naming `model`). Requests carry
+the adapter's path, so every replica can load it on its own.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from paged.lora.peft import AdapterError, read_spec
+from paged.lora.peft import AdapterError, check_fits, read_spec
 from paged.lora.request import LoRARequest
 from paged.server.errors import APIError
 
@@ -25,9 +26,12 @@ CURRENT: ContextVar[LoRARequest | None] = ContextVar("paged_lora", default=None)
 
 
 class LoRAAdapters:
-    def __init__(self, enabled: bool = False, max_rank: int = 16) -> None:
+    def __init__(
+        self, enabled: bool = False, max_rank: int = 16, model_shape: tuple[int, int] | None = None
+    ) -> None:
         self.enabled = enabled
         self.max_rank = max_rank
+        self.model_shape = model_shape  # (hidden size, layers) of the model, where known
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
@@ -55,6 +59,8 @@ class LoRAAdapters:
         self.check_new(name, base_names)
         try:
             spec = read_spec(path, self.max_rank)
+            if self.model_shape is not None:
+                check_fits(spec, *self.model_shape)
         except AdapterError as e:
             raise APIError(400, str(e) if str(e).startswith("lora_path") else f"lora_path: {e}",
                            "lora_path") from None  # fmt: skip

@@ -123,6 +123,9 @@ def as_sent(e: ValueError, constraint: str | None) -> APIError:
     for the engine's structured_outputs, see constraint_field)."""
     err = bad_request(e)
     p = err.param or ""
+    if p == "adapter":  # the engine's check of the adapter the request's `model` named
+        why = err.message[len(p) :]
+        return APIError(400, f"model: the LoRA adapter does not fit{why}", "model")
     if constraint and (p == "structured_outputs" or p.startswith("structured_outputs.")):
         return APIError(400, constraint + err.message[len(p) :], constraint)
     return err

@@ -89,6 +89,20 @@ def check_model(config: EngineConfig) -> None:
         )
 
 
+def lora_model_shape(config: EngineConfig) -> tuple[int, int] | None:
+    """(hidden size, layers) of the model, to check adapters against on load (None without
+    --enable-lora or a config.json to read)."""
+    if not config.enable_lora:
+        return None
+    try:
+        hf = _read_config(config)
+    except (ValueError, OSError):
+        return None
+    text = hf.get_text_config() if hf is not None else None
+    hidden, layers = (getattr(text, k, None) for k in ("hidden_size", "num_hidden_layers"))
+    return (hidden, layers) if hidden is not None and layers is not None else None
+
+
 def parsing_options(args: argparse.Namespace) -> Any:
     """The tool-call and reasoning parsers the flags ask for; ValueError names the flag."""
     from paged.server.chat_parsing import ParsingOptions
@@ -122,7 +136,7 @@ def build_serving(
     except (ValueError, OSError) as e:
         raise StartError(f"cannot start: {e}") from None
     names = config.served_model_name or [name]
-    loras = LoRAAdapters(config.enable_lora, config.max_lora_rank)
+    loras = LoRAAdapters(config.enable_lora, config.max_lora_rank, lora_model_shape(config))
     for mod in config.lora_modules or []:  # read and checked before anything starts
         try:
             loras.load(mod["name"], mod["path"], names, mod.get("base_model_name"))
