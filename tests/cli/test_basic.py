@@ -17,6 +17,26 @@ def test_help_lists_every_command(paged_exe):
         assert f"    {cmd}" in bench.stdout, cmd
 
 
+def test_unknown_flags_are_reported_by_the_command_given(cli, capsys):
+    """`paged X --bogus`: X's usage and `paged X: error: ...`, exit 2, down to nested commands;
+    an unknown flag before any command is paged's own."""
+    import pytest
+
+    for cmd in (
+        ["serve"], ["chat"], ["complete"], ["run-batch", "-i", "a", "-o", "b"], ["bench"],
+        ["bench", "serve"], ["bench", "throughput"], ["bench", "latency"], ["platforms"],
+        ["models"], ["env"], ["fleet"], ["fleet", "status"], ["fleet", "ray-resources"], [],
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            cli(*cmd, "--bogus")
+        _, err = capsys.readouterr()
+        name = " ".join(["paged", *cmd[: 2 if cmd[:1] in (["bench"], ["fleet"]) else 1]])
+        assert e.value.code == 2, cmd
+        assert err.startswith(f"usage: {name} ") and err.endswith(
+            f"{name}: error: unrecognized arguments: --bogus\n"
+        ), (cmd, err)
+
+
 def test_platforms_shows_cpu_available(cli, monkeypatch):
     monkeypatch.delenv("PAGED_PLATFORM", raising=False)
     rc, out, _ = cli("platforms")

@@ -39,3 +39,13 @@ def test_complete_quick(cli, server_url):
 def test_chat_unreachable_server(cli):
     rc, _, err = cli("chat", "--url", "http://127.0.0.1:9/v1", "--quick", "hi")
     assert rc == 1 and "cannot reach" in err
+
+
+def test_client_errors_name_the_cause(cli, server_url):
+    """The server was reached: a URL without /v1 gets a hint, not 'cannot reach'."""
+    root = server_url.removesuffix("/v1")
+    rc, _, err = cli("chat", "--url", root, "--quick", "hi")
+    assert rc == 1 and err.count("\n") == 1 and "cannot reach" not in err
+    assert err.startswith(f"error: {root} answered 404 (") and "is the URL missing /v1?" in err
+    rc, _, err = cli("complete", "--url", server_url, "--model", "nosuch", "--quick", "hi")
+    assert rc == 1 and err.startswith("error: the server answered 404: ") and "nosuch" in err

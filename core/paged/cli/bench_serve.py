@@ -95,8 +95,7 @@ async def send(session, url: str, payload: dict, headers: dict, prompt: Prompt) 
     try:
         async with session.post(url, json=payload, headers=headers) as resp:
             if resp.status != 200:
-                body = await resp.text(errors="replace")
-                res.error = f"HTTP {resp.status}: {body[:500]}"
+                res.error = "HTTP " + refusal(url, resp.status, await resp.text(errors="replace"))
                 return res
             buf = b""
             async for data in resp.content.iter_any():  # whole events, however long
@@ -159,7 +158,7 @@ async def benchmark(args: argparse.Namespace, prompts: list[Prompt], model: str)
             prompts[0],
         )  # fmt: skip
         if not test.success:
-            raise RuntimeError(f"the test request to {url} failed: {test.error}")
+            raise ServerError(f"the test request to {url} failed: {test.error}")
         bar = tqdm(total=len(prompts), desc="requests", disable=args.disable_tqdm)
 
         async def one(p: Prompt) -> Result:
@@ -205,14 +204,56 @@ def summarize(results: list[Result], duration: float) -> dict:
     return m
 
 
+class ServerError(Exception):
+    """The server could not be asked (unreachable, or it refused): one line, no traceback."""
+
+
+def _error_text(body: str) -> str:
+    """The server's message in an error body ({"error": {"message": ...}}), else its text's
+    first line."""
+    try:
+        err = json.loads(body)
+        err = err.get("error", err) if isinstance(err, dict) else err
+        msg = err.get("message") if isinstance(err, dict) else None
+    except ValueError:
+        msg = None
+    lines = str(msg or body).strip().splitlines()
+    return lines[0][:300] if lines else ""
+
+
+def refusal(url: str, status: int, body: str) -> str:
+    """One line for a non-200 answer from `url`: the status, the server's message, a hint for
+    the usual causes (the API key, a --url without /v1)."""
+    from http import HTTPStatus
+
+    try:
+        phrase = f" {HTTPStatus(status).phrase}"
+    except ValueError:
+        phrase = ""
+    line = f"{status}{phrase}: {_error_text(body)}"
+    if status == 401:
+        line += " (give the key with --api-key or PAGED_API_KEY)"
+    elif status == 404 and "/v1/" not in url:
+        line += " (is --url missing /v1?)"
+    return line
+
+
 async def _first_model(args: argparse.Namespace) -> str:
     import httpx
 
+    url = args.url.rstrip("/") + "/models"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.get(args.url.rstrip("/") + "/models", headers=headers)
-        r.raise_for_status()
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.get(url, headers=headers)
+    except httpx.HTTPError as e:
+        raise ServerError(f"cannot reach {args.url}: {str(e) or type(e).__name__}") from None
+    if r.status_code != 200:
+        raise ServerError(f"{url} answered {refusal(url, r.status_code, r.text)}")
+    try:
         return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"{url} lists no model; give one with --model") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or asyncio.run(_first_model(args))
         prompts = prompts or random_prompts(args)
         metrics = asyncio.run(benchmark(args, prompts, model))
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from paged.cli.client import Session, add_client_args, run_session, stream_text
+from paged.cli.client import Session, add_client_args, run_session
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,19 +23,21 @@ class ChatSession(Session):
         self.messages = [{"role": "system", "content": args.system}] if args.system else []
 
     def send(self, text: str) -> None:
-        """Stream the assistant's reply to `text`; keep both in the history, or neither."""
+        """Stream the assistant's reply to `text`; keep both in the history, or neither (an
+        error, or Ctrl-C cutting the reply short: the turn is dropped)."""
         self.messages.append({"role": "user", "content": text})
         try:
             stream = self.client.chat.completions.create(
                 model=self.model, messages=self.messages, stream=True, **self.kw
             )
-            reply = stream_text(stream, lambda choice: choice.delta.content)
-        except Exception:
+            reply = self.stream(stream, lambda choice: choice.delta.content)
+        except BaseException:  # KeyboardInterrupt too
             self.messages.pop()
             raise
         self.messages.append({"role": "assistant", "content": reply})
 
-    def skip(self, text: str) -> bool:
+    @classmethod
+    def skip(cls, text: str) -> bool:
         return not text.strip()
 
 

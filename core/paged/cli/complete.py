@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paged.cli.client import Session, add_client_args, run_session, stream_text
+from paged.cli.client import Session, add_client_args, is_terminal, run_session
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,14 +23,13 @@ class CompleteSession(Session):
         stream = self.client.completions.create(
             model=self.model, prompt=text, stream=True, **self.kw
         )
-        stream_text(stream, lambda choice: choice.text)
+        self.stream(stream, lambda choice: choice.text)
 
     def ask(self, text: str) -> None:
-        print(text, end="")  # the completion continues the prompt on the same line
+        if is_terminal(sys.stdin):  # the completion continues the prompt on its line; piped
+            print(text, end="", flush=True)  # input gets only the completions, as --quick
+            self.line_open = True
         self.send(text)
-
-    def error(self, e: Exception) -> None:
-        print(f"\nerror: {e}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -69,10 +69,23 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """The innermost (sub)parser the command line chose: `paged bench serve`'s for
+    `paged bench serve ...`."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command given (`paged chat: error: ...`), with its usage
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args._argv = argv  # the command line as given (bench results record it)
     if not getattr(args, "func", None):
         parser.print_help()
