@@ -179,6 +179,13 @@ def test_model_max_len_is_derived_as_vllm_does():
         (["--api-key", ""], "api_key"),
         (["--served-model-name", "a", "a"], "served_model_name"),
         (["--override-generation-config", "[1]"], "override_generation_config: must be a JSON"),
+        # the tiny model: 4 query heads over 2 KV heads, 2 layers (model/parallel.py's rules)
+        (["--tensor-parallel-size", "3"], "tensor_parallel_size: 3 ranks cannot share 2 KV"),
+        (["--tensor-parallel-size", "8"], "tensor_parallel_size: 8 ranks cannot share 2 KV"),
+        (["--pipeline-parallel-size", "3"], "pipeline_parallel_size: 3 stages for the model's 2"),
+        (["--async-scheduling", "-tp", "2"], "async_scheduling: not supported with more than"),
+        (["--async-scheduling", "-pp", "2"], "async_scheduling: not supported with more than"),
+        (["--runner", "pooling", "-pp", "2"], "runner: pooling"),
     ],
 )
 def test_serve_refuses_what_config_json_tells(tiny, flags, field, caplog, monkeypatch):
@@ -197,16 +204,26 @@ def test_serve_refuses_a_model_it_cannot_run(tiny, tmp_path, caplog):
     from paged.cli.main import main
 
     cfg = json.loads((Path(tiny) / "config.json").read_text())
-    for d in ("gpt2", "untyped", "draft"):
+    for d in ("gpt2", "untyped", "draft", "heads", "moe", "embed"):
         (tmp_path / d).mkdir()
     gpt2 = _bad_dir(tmp_path / "gpt2", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     untyped = _bad_dir(tmp_path / "untyped", {k: v for k, v in cfg.items() if k != "model_type"})
     draft = _bad_dir(tmp_path / "draft", {**cfg, "vocab_size": cfg["vocab_size"] * 2})
     spec = json.dumps({"model": str(draft), "num_speculative_tokens": 2})
+    heads = _bad_dir(tmp_path / "heads", {**cfg, "num_key_value_heads": 3})
+    moe = _bad_dir(tmp_path / "moe", {**cfg, "model_type": "mixtral", "num_local_experts": 2,
+                                      "architectures": ["MixtralForCausalLM"],
+                                      "num_experts_per_tok": 3})  # fmt: skip
+    embed = _bad_dir(tmp_path / "embed", {**cfg, "architectures": ["LlamaModel"]})
     for argv, field in [([gpt2, "--load-format", "dummy"], "model: unsupported"),
                         ([untyped, "--load-format", "dummy"], "model: "),
                         ([tiny, "--load-format", "dummy", "--speculative-config", spec],
-                         "speculative_config.model: the draft's vocabulary")]:  # fmt: skip
+                         "speculative_config.model: the draft's vocabulary"),
+                        ([heads, "--load-format", "dummy"], "model: 4 attention heads do not "
+                         "share 3 KV heads"),
+                        ([moe, "--load-format", "dummy"], "model: num_experts_per_tok 3 exceeds"),
+                        ([embed, "--load-format", "dummy", "-pp", "2"],
+                         "runner: this checkpoint runs as an embedding model")]:  # fmt: skip
         caplog.clear()
         assert main(["serve", *argv]) == 2, argv
         lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]

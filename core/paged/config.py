@@ -245,11 +245,7 @@ class EngineConfig:
             )
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        if self.pipeline_micro_batches < 0:
-            raise ValueError("pipeline_micro_batches must be >= 0 (0: two per stage)")
+        _check_parallel(self)
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError("distributed_executor_backend must be mp or ray")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -258,6 +254,9 @@ class EngineConfig:
 
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.runner == "pooling" and self.pipeline_parallel_size > 1:
+            raise ValueError("runner: pooling (embeddings) is not supported with "
+                             "pipeline_parallel_size > 1")  # fmt: skip
         parse_pooler_config(self.pooler_config)
         from paged.sampling.structured import check_backend
 
@@ -398,6 +397,22 @@ def _check_numbers(c: EngineConfig) -> None:
     check_batch(c.max_num_seqs, c.max_num_batched_tokens)
     if not -(1 << 63) <= c.seed < 1 << 64:  # what torch.manual_seed takes
         raise ValueError(f"seed: must fit in 64 bits, got {c.seed}")
+
+
+def _check_parallel(c: EngineConfig) -> None:
+    """The parallel sizes, and what cannot run on more than one rank of a replica (what the
+    model's config.json rules out, serving_stack.check_model and resolve_config refuse)."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"{name} must be at least 1")
+    if c.pipeline_micro_batches < 0:
+        raise ValueError("pipeline_micro_batches must be >= 0 (0: two per stage)")
+    if c.world_size > 1 and c.async_scheduling:
+        raise ValueError(
+            f"async_scheduling: not supported with more than one rank yet (tensor_parallel_size "
+            f"{c.tensor_parallel_size} x pipeline_parallel_size {c.pipeline_parallel_size}): "
+            "the other ranks cannot read the driver's sampled tokens; leave it unset"
+        )
 
 
 def check_batch(max_num_seqs: int | None, max_num_batched_tokens: int | None) -> None:

@@ -39,12 +39,34 @@ def head_shard(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadSha
     if tp % num_kv_heads or group % (tp // num_kv_heads):
         raise ValueError(
             f"tensor_parallel_size: {tp} ranks cannot share {num_kv_heads} KV heads of "
-            f"{group} query heads each evenly (use a divisor or multiple of {num_kv_heads})"
+            f"{group} query heads each evenly (use at most {num_kv_heads} ranks, or a "
+            f"multiple of {num_kv_heads} that divides the {num_heads} query heads)"
         )
     per_kv = tp // num_kv_heads  # ranks sharing one KV head
     kv = rank // per_kv
     q_each = group // per_kv
     return HeadShard(kv * group + (rank % per_kv) * q_each, q_each, kv, 1)
+
+
+def check_split(hf_config, tp: int, pp: int) -> None:
+    """Refuse, with a ValueError naming the flag, a split of this model (its config.json) that
+    its ranks could not build: query heads that do not share the KV heads evenly, a tensor
+    parallel size head_shard cannot place, more pipeline stages than layers (split_range would
+    leave a stage without one). MLP columns, MoE experts' columns and vocabulary rows split
+    over any number of ranks. The engine calls it before any rank starts."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int) and isinstance(kv, int):
+        if kv < 1 or heads % kv:
+            raise ValueError(f"model: {heads} attention heads do not share {kv} KV heads evenly")
+        if tp > 1:
+            head_shard(heads, kv, tp, 0)  # the rule every rank applies (raises for all alike)
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if isinstance(layers, int) and pp > layers:
+        raise ValueError(
+            f"pipeline_parallel_size: {pp} stages for the model's {layers} layers would leave "
+            f"a stage without one (at most {layers})"
+        )
 
 
 def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:

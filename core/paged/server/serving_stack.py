@@ -52,8 +52,11 @@ def _read_config(model: EngineConfig) -> Any:
 def check_model(config: EngineConfig) -> None:
     """What config.json (the model's, a draft's) tells before the engine starts: a ValueError
     naming the field for an architecture paged lacks, a max_model_len above the model's, a
+    tensor / pipeline parallel size the model cannot be split by (its heads, its layers), a
+    MoE routing more experts than it has, an embedding model over pipeline stages, a
     --quantization the checkpoint cannot take, a draft that cannot be read or does not fit."""
     from paged.config import check_max_model_len
+    from paged.model.parallel import check_split
     from paged.model.registry import model_class
     from paged.quantization.select import quant_method
 
@@ -66,6 +69,10 @@ def check_model(config: EngineConfig) -> None:
     if hf is None:
         return
     check_max_model_len(config.max_model_len, hf)
+    check_split(hf, config.tensor_parallel_size, config.pipeline_parallel_size)
+    _check_experts(hf)
+    if config.pipeline_parallel_size > 1 and config.runner == "auto":
+        _check_not_pooling(config, hf)
     try:
         quant_method(config.quantization, hf, dummy=config.load_format == "dummy")
     except ValueError as e:
@@ -86,6 +93,39 @@ def check_model(config: EngineConfig) -> None:
         raise ValueError(
             f"speculative_config.model: the draft's vocabulary ({draft.vocab_size} tokens) is "
             f"not the target's ({hf.vocab_size}): a draft needs the same tokenizer"
+        )
+
+
+def _check_experts(hf: Any) -> None:
+    """A MoE config.json routing each token to more experts than it has (SparseMoE's rule)."""
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and 0 < experts < top_k:
+        raise ValueError(f"model: num_experts_per_tok {top_k} exceeds the {experts} experts")
+
+
+def _check_not_pooling(config: EngineConfig, hf: Any) -> None:
+    """--runner auto with pipeline stages: refuse a checkpoint that would run as an embedding
+    model (as the engine resolves it), which pipeline parallelism cannot serve."""
+    from paged.model.pooling_config import resolve_runner
+
+    src = None
+    if config.load_format != "dummy":  # dummy: drawn weights, the head too (as the engine)
+        from paged.model.loader import resolve_model
+
+        try:
+            src = resolve_model(config.model, config.load_format, config.revision,
+                                config.download_dir)  # fmt: skip
+        except (ValueError, OSError):
+            return
+    try:
+        runner = resolve_runner(config.runner, hf, src)
+    except Exception:  # noqa: BLE001 (unreadable files: the engine says why, as it would)
+        return
+    if runner == "pooling":
+        raise ValueError(
+            "runner: this checkpoint runs as an embedding model (--runner auto), which is not "
+            "supported with pipeline_parallel_size > 1"
         )
 
 

@@ -25,6 +25,7 @@ from paged.distributed import (
     init_distributed_watched,
 )
 from paged.model import ops
+from paged.model.parallel import check_split
 from paged.model.registry import check_supported
 from paged.plugins import select_platform
 from paged.worker.input_buffers import HEADER
@@ -61,8 +62,8 @@ def resolve_config(config: EngineConfig, platform: Any, hf_config: Any) -> Engin
     if config.max_num_seqs is None:  # the platform's, at most one request a batched token
         changes["max_num_seqs"] = min(platform.default_max_num_seqs, tokens)
     check_batch(changes.get("max_num_seqs", config.max_num_seqs), tokens)
-    if config.world_size > 1 and config.async_scheduling:
-        raise ValueError("async_scheduling: not supported with more than one rank yet")
+    # before any rank starts (EngineConfig refuses --async-scheduling with several ranks)
+    check_split(hf_config, config.tensor_parallel_size, config.pipeline_parallel_size)
     if config.world_size > 1:
         changes["async_scheduling"] = False  # other ranks cannot read the driver's samples
     if config.pipeline_parallel_size > 1 and not config.enforce_eager:
