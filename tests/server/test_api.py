@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import httpx
+
 import paged
 
 PROMPT = "The capital of France is"
@@ -15,6 +17,23 @@ def test_health_version_models(server, http, client):
     assert http.get("/version").json() == {"version": paged.__version__}
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+
+
+def test_model_retrieve(server, http, client):
+    """GET /v1/models/{id} (OpenAI's models.retrieve): the list's own entry, else a 404."""
+    listed = http.get("/v1/models").json()["data"]
+    for card in listed:
+        r = http.get(f"/v1/models/{card['id']}")
+        assert r.status_code == 200 and r.json() == card, r.text
+    m = client.models.retrieve(listed[0]["id"])
+    assert m.id == listed[0]["id"] and m.object == "model" and m.owned_by == "paged"
+    r = http.get("/v1/models/no-such/model")
+    assert r.status_code == 404, r.text
+    assert r.json() == {"error": {
+        "message": "model: the model 'no-such/model' does not exist",
+        "type": "not_found_error", "param": "model", "code": "model_not_found"}}  # fmt: skip
+    assert http.head(f"/v1/models/{listed[0]['id']}").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models/{listed[0]['id']}").status_code == 401
 
 
 def test_completion_greedy_with_usage(client, http):

@@ -17,6 +17,8 @@ def test_page_and_assets_need_no_key(server):
     assert page.headers["content-type"].startswith("text/html")
     assert '<script src="static/chat.js"' in page.text
     assert '<link rel="stylesheet" href="static/chat.css">' in page.text
+    # the icon is inline: browsers never ask for /favicon.ico (a 404 in every console)
+    assert re.search(r'<link rel="icon" href="data:image/svg\+xml,[^"]+">', page.text)
     for path, kind in ASSETS.items():
         r = httpx.get(server.url + path, timeout=30)
         assert r.status_code == 200 and kind in r.headers["content-type"], path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -154,3 +156,30 @@ def test_head_wherever_get(http):
 def test_server_still_serves(client):
     r = client.completions.create(model=None, prompt="hi", max_tokens=1)
     assert r.usage.completion_tokens == 1
+
+
+def test_openapi_tells_the_real_errors(http):
+    """No route advertises FastAPI's 422 (invalid bodies get 400, a non-JSON body 415), each
+    declares its real errors in the server's shape, and /metrics is text/plain."""
+    doc = http.get("/openapi.json").json()
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in doc["components"][
+        "schemas"]  # fmt: skip
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            if method == "post":
+                assert {"400", "401", "413", "415", "503"} <= set(op["responses"]), path
+                if not path.startswith("/v1/messages"):  # Anthropic's shape there
+                    assert op["responses"]["400"]["content"]["application/json"]["schema"] == ref
+    anthropic = doc["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]
+    assert anthropic["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorResponse")
+    detail = doc["components"]["schemas"]["ErrorDetail"]["properties"]
+    assert set(detail) == {"message", "type", "param", "code"}
+    assert "404" in doc["paths"]["/v1/models/{model}"]["get"]["responses"]
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    assert http.get("/metrics").headers["content-type"].startswith("text/plain")
+    # what the schema says is what a bad body gets
+    err(http.post("/v1/chat/completions", json={"messages": "no"}), 400)
+    r = http.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "body", r.text

@@ -256,6 +256,7 @@ def test_every_served_name_answers_and_is_reported(tls_server):
     """As vLLM: a response reports the name its request used, the first when it names none."""
     _, client, _ = tls_server
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny-qwen", "tiny-alias"]
+    assert client.get("/v1/models/tiny-alias").json()["id"] == "tiny-alias"
     body = {"model": "tiny-alias", "prompt": "hi", "max_tokens": 2}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["model"] == "tiny-alias"

@@ -19,6 +19,14 @@ from paged.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from paged.server.errors import APIError, error_body, install_handlers
 from paged.server.limits import MAX_JSON_DEPTH, json_depth
 from paged.server.metrics import CONTENT_TYPE, ServerMetrics
+from paged.server.openapi_errors import (
+    ANTHROPIC_ERRORS,
+    FOUND_ERRORS,
+    GET_ERRORS,
+    METRICS,
+    POST_ERRORS,
+    errors,
+)
 from paged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +45,7 @@ from paged.server.serving_responses import ResponseStore
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
 STATIC_DIR = Path(__file__).with_name("static")  # the chat page (GET /) and its assets
+
 
 
 def is_open(path: str) -> bool:
@@ -226,7 +235,7 @@ def build_app(state: ServerState) -> Any:
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health() -> Response:
         silent = sv.engine.silent_for()
         if sv.engine.ready and not state.draining and silent <= state.health_timeout:
@@ -240,17 +249,19 @@ def build_app(state: ServerState) -> Any:
     async def version() -> dict[str, str]:
         return {"version": paged.__version__}
 
-    @app.get("/metrics")
+    metrics_errors = errors(401) if state.metrics_require_key else {}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS | metrics_errors)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/fleet")
+    @app.get("/fleet", responses=GET_ERRORS)
     async def fleet() -> dict[str, Any]:
         from paged.engine.replicas import fleet_view
 
         return fleet_view(sv.engine)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=GET_ERRORS)
     async def models() -> dict[str, Any]:
         sv.check_ready()
         cards = [{"id": name, "object": "model", "created": sv.created, "owned_by": "paged",
@@ -258,58 +269,67 @@ def build_app(state: ServerState) -> Any:
                  for name in sv.model_names]  # fmt: skip
         return {"object": "list", "data": [*cards, *sv.loras.cards(sv.created)]}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.get("/v1/models/{model:path}", responses=FOUND_ERRORS)
+    async def model(model: str) -> dict[str, Any]:
+        """One entry of /v1/models (OpenAI's models.retrieve); an id may hold a '/'."""
+        for card in (await models())["data"]:
+            if card["id"] == model:
+                return card
+        raise APIError(404, f"model: the model {model[:100]!r} does not exist", "model",
+                       "model_not_found")  # fmt: skip
+
+    @app.post("/v1/load_lora_adapter", responses=POST_ERRORS)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         sv.check_ready()
         sv.loras.check_new(req.lora_name, sv.model_names)
         await sv.off_loop(sv.loras.load, req.lora_name, req.lora_path, sv.model_names)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", responses=POST_ERRORS)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
         sv.check_ready()
         lora = sv.loras.unload(req.lora_name)
         sv.engine.unload_lora(lora.lora_int_id)  # the core frees its slot and host copy
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=POST_ERRORS)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         return await until_disconnect(request, create_completion(sv, req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=POST_ERRORS)
     async def chat(req: ChatCompletionRequest, request: Request) -> Any:
         return await until_disconnect(request, create_chat_completion(sv, req))
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=POST_ERRORS)
     async def embeddings(req: EmbeddingRequest, request: Request) -> Any:
         return await until_disconnect(request, create_embedding(sv, req))
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", responses=ANTHROPIC_ERRORS)
     async def messages(req: MessagesRequest, request: Request) -> Any:
         return await until_disconnect(request, create_message(sv, req))
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", responses=ANTHROPIC_ERRORS)
     async def messages_count_tokens(req: CountTokensRequest) -> dict[str, Any]:
         return await count_tokens(sv, req)
 
     store = ResponseStore(sv, state.max_stored_responses)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=POST_ERRORS)
     async def responses(req: ResponsesRequest, request: Request) -> Any:
         return await until_disconnect(request, store.create(req))
 
-    @app.get("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}", responses=errors(400, 401, 404, 503))
     async def get_response(response_id: str, request: Request) -> dict[str, Any]:
         for name in request.query_params:  # OpenAI's stream / include / starting_after
             raise APIError(400, f"{name}: retrieving a stored response takes no query "
                            "parameters (it is returned whole, never streamed)", name)  # fmt: skip
         return store.get(response_id)
 
-    @app.delete("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}", responses=FOUND_ERRORS)
     async def delete_response(response_id: str) -> dict[str, Any]:
         return store.delete(response_id)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=POST_ERRORS)
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         sv.check_model(req.model)
         if req.prompt is not None:
@@ -326,14 +346,14 @@ def build_app(state: ServerState) -> Any:
         count, limit = len(ids), sv.max_model_len
         return {"count": count, "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=POST_ERRORS)
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         sv.check_model(req.model)
         tok = sv.need_tokenizer("tokens")
         sv.check_ids(req.tokens, "tokens")
         return {"prompt": await sv.off_loop(tok.decode, req.tokens)}
 
-    @app.get("/ping")
+    @app.get("/ping", responses=errors(503))
     async def ping() -> Response:
         return await health()
 
