@@ -1,8 +1,9 @@
 """The chat page (GET /) in a real headless Chromium driven by Selenium, against a live server
 on the default model started with --api-key and --root-path: the page asks for the key,
 streams a reply that matches the API's, shows model, platform and speed, keeps the
-conversation over a reload, stops a long reply, and works behind a proxy that strips the root
-path. Skipped only when Debian's chromium / chromium-driver are missing.
+conversation over a reload (each tab its own), stops a long reply, gets past a failed request,
+checks its settings, lets one scroll up during a reply, and works behind a proxy that strips
+the root path. Skipped only when Debian's chromium / chromium-driver are missing.
 
 PAGED_UI_SCREENSHOT=docs/img/chat-page.png refreshes the screenshot of docs/chat-page.md."""
 
@@ -100,10 +101,10 @@ def wait(driver, condition, timeout: float = 60):
 
 
 def open_page(driver, url: str, key: str | None) -> None:
-    """The page at `url` with an empty localStorage holding only `key` (None: no key)."""
+    """The page at `url` with empty storages, localStorage holding only `key` (None: no key)."""
     driver.get(url)
     driver.execute_script(
-        "localStorage.clear();"
+        "localStorage.clear(); sessionStorage.clear();"
         "if (arguments[0]) localStorage.setItem('paged.apiKey', arguments[0]);",
         key,
     )
@@ -127,8 +128,19 @@ def send(driver, text: str) -> None:
 
 
 def stored_messages(driver) -> list[dict]:
-    saved = driver.execute_script("return localStorage.getItem('paged.chat')")
+    """The tab's conversation (sessionStorage: each tab its own)."""
+    saved = driver.execute_script("return sessionStorage.getItem('paged.chat')")
     return json.loads(saved)["messages"]
+
+
+def set_input(driver, text: str) -> None:
+    """The message box's text, at once (send_keys types a long text key by key)."""
+    driver.execute_script("document.getElementById('input').value = arguments[0]", text)
+
+
+def ready_page(driver, server, http) -> None:
+    open_page(driver, server.url + "/", key=KEY)
+    wait(driver, lambda d: d.find_element(By.ID, "model").text == model_id(http))
 
 
 def finished_reply(driver) -> list:
@@ -198,7 +210,7 @@ def test_chat_streams_matches_the_api_and_is_kept(browser, server, http, tmp_pat
     shot.parent.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 0
 
-    # A reload keeps the conversation and the settings (localStorage).
+    # A reload keeps the conversation (sessionStorage) and the settings (localStorage).
     browser.refresh()
     wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 2)
     assert browser.find_element(By.CSS_SELECTOR, ".msg.user").text == prompt
@@ -246,6 +258,139 @@ def test_markdown_is_rendered_and_escaped(browser, server):
     assert '<a href="https://example.com/?a=1&amp;b=2"' in html
     assert "<ul><li>one</li><li>two</li></ul>" in html
     assert '<pre><code class="lang-python">print(&#39;&lt;script&gt;&#39;)</code></pre>' in html
+    # emphasis inside a link's label (never in its URL), still escaped
+    src = "[**x**](https://a.example/) [*y* `c*d*`](https://b.example/_u_) [**<b>**](https://c.example)"
+    html = browser.execute_script("return window.pagedChat.renderMarkdown(arguments[0])", src)
+    assert '<a href="https://a.example/" target="_blank" rel="noopener noreferrer">' in html
+    assert "<strong>x</strong></a>" in html and "<em>y</em> <code>c*d*</code></a>" in html
+    assert 'href="https://b.example/_u_"' in html and "<strong>&lt;b&gt;</strong></a>" in html
+    assert "<b>" not in html and "**" not in html
+    # the page's icon is inline (no /favicon.ico request, no 404 in the console) and loads
+    loads = browser.execute_async_script(
+        "const done = arguments[0], img = new Image();"
+        "img.onload = () => done(img.naturalWidth > 0); img.onerror = () => done(false);"
+        "img.src = document.querySelector('link[rel=icon]').href;"
+    )
+    assert loads is True
+
+
+def test_a_failed_request_is_not_sent_again(browser, server, http):
+    """A request the server refuses (a prompt beyond the context) marks its user turn failed:
+    later requests leave it out, so the next messages are answered."""
+    ready_page(browser, server, http)
+    set_field(browser, "max-tokens", "3")
+    set_input(browser, "x " * 9000)
+    browser.find_element(By.ID, "send").click()
+    state, _, _, meta = finished_reply(browser)
+    assert state == "error" and "error:" in meta, meta
+    failed = browser.find_elements(By.CSS_SELECTOR, ".msg.user")[-1]
+    assert failed.get_attribute("data-state") == "failed" and "not answered" in failed.text
+    status = browser.find_element(By.ID, "status")
+    assert "failed" in status.text and "error" in status.get_attribute("class")
+    for _ in range(2):
+        send(browser, "hi")
+        state, _, text, meta = finished_reply(browser)
+        assert state == "done" and text.strip(), meta
+    body = browser.execute_script("return window.pagedChat.requestBody()")
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant"] * 2
+    assert all(len(m["content"]) < 200 for m in body["messages"])
+    assert stored_messages(browser)[0]["state"] == "failed"  # kept, shown, never sent
+
+
+def test_settings_are_checked_not_altered(browser, server, http):
+    ready_page(browser, server, http)
+    set_field(browser, "max-tokens", "1.5")
+    set_field(browser, "temperature", "5")
+    problems = browser.find_element(By.ID, "settings-error")
+    wait(browser, lambda d: problems.is_displayed(), timeout=5)
+    assert "Max tokens: 1.5 is not a whole number" in problems.text
+    assert "Temperature: 5 is not a number from 0 to 2" in problems.text
+    for field in ("max-tokens", "temperature"):
+        assert "invalid" in browser.find_element(By.ID, field).get_attribute("class")
+    send(browser, "Hi")
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []  # not sent
+    assert "Not sent" in browser.find_element(By.ID, "status").text
+    assert browser.find_element(By.ID, "input").get_attribute("value") == "Hi"  # kept
+    set_field(browser, "max-tokens", "7")
+    set_field(browser, "temperature", "0.25")
+    set_field(browser, "top-p", "0")  # the server's range: above 0
+    assert "Top p: 0" in problems.text and "Max tokens" not in problems.text
+    set_field(browser, "top-p", "")
+    assert not problems.is_displayed()
+    body = browser.execute_script("return window.pagedChat.requestBody()")
+    assert body["max_tokens"] == 7 and body["temperature"] == 0.25 and "top_p" not in body
+
+
+def test_tabs_keep_their_own_conversations(browser, server, http):
+    """The conversation is the tab's (sessionStorage), the settings are shared (localStorage,
+    the `storage` event): typing a setting in one tab never overwrites another's chat."""
+    ready_page(browser, server, http)
+    set_field(browser, "max-tokens", "3")
+    send(browser, "Hi")
+    assert finished_reply(browser)[0] == "done"
+    first = browser.current_window_handle
+    browser.switch_to.new_window("tab")
+    try:
+        browser.get(server.url + "/")
+        wait(browser, lambda d: d.find_element(By.ID, "model").text == model_id(http))
+        assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []  # its own conversation
+        assert browser.find_element(By.ID, "max-tokens").get_attribute("value") == "3"
+        set_field(browser, "system", "Be brief.")
+        send(browser, "Hello")
+        assert finished_reply(browser)[0] == "done"
+        assert [m["content"] for m in stored_messages(browser)][0] == "Hello"
+    finally:
+        browser.close()
+        browser.switch_to.window(first)
+    system = browser.find_element(By.ID, "system")
+    wait(browser, lambda d: system.get_attribute("value") == "Be brief.", timeout=5)
+    browser.refresh()
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 2)
+    assert browser.find_element(By.CSS_SELECTOR, ".msg.user").text == "Hi"
+    assert browser.find_element(By.ID, "system").get_attribute("value") == "Be brief."
+
+
+def test_first_token_time_excludes_the_key_dialog(browser, server, http):
+    ready_page(browser, server, http)
+    browser.execute_script("localStorage.removeItem('paged.apiKey')")
+    set_field(browser, "max-tokens", "3")
+    send(browser, "Hi")
+    dialog = browser.find_element(By.ID, "key-dialog")
+    wait(browser, lambda d: dialog.get_attribute("open") is not None)
+    time.sleep(4)  # someone looking for the key
+    browser.find_element(By.ID, "key-input").send_keys(KEY)
+    browser.find_element(By.ID, "key-save").click()
+    assert finished_reply(browser)[0] == "done"
+    ttft = stored_messages(browser)[-1]["ttft"]
+    assert 0 < ttft < 4, ttft
+
+
+BOX = "const b = document.getElementById('messages');"
+AT_BOTTOM = BOX + "return b.scrollHeight - b.scrollTop - b.clientHeight < 40;"
+
+
+def test_scrolled_up_view_stays_during_a_reply(browser, server, http):
+    """A reply follows the view down only while it is at the bottom."""
+    ready_page(browser, server, http)
+    filler = [{"role": ("user", "assistant")[i % 2], "content": f"line {i}\n" * 15}
+              for i in range(8)]  # fmt: skip
+    browser.execute_script(
+        "sessionStorage.setItem('paged.chat', JSON.stringify({messages: arguments[0]}))", filler
+    )
+    browser.refresh()
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg")) == 8)
+    set_field(browser, "max-tokens", "300")
+    send(browser, "Tell me a long story about a dragon.")
+    wait(browser, lambda d: d.execute_script(LAST_REPLY)[1] >= 12)
+    assert browser.execute_script(AT_BOTTOM)  # followed so far
+    browser.execute_script(BOX + "b.scrollTop = 0;")
+    seen = browser.execute_script(LAST_REPLY)[1]
+    grown = lambda d: (r := d.execute_script(LAST_REPLY))[1] >= seen + 8 or r[0] != "streaming"
+    wait(browser, grown)
+    assert browser.execute_script(BOX + "return b.scrollTop;") == 0
+    browser.find_element(By.ID, "stop").click()
+    wait(browser, lambda d: d.execute_script(LAST_REPLY)[0] != "streaming", timeout=10)
+    wait(browser, lambda d: running(http) == 0, timeout=15)
 
 
 def test_behind_a_proxy_with_the_root_path(browser, server, http):

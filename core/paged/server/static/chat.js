@@ -1,9 +1,12 @@
-// The chat page of `paged serve` (GET /): streams /v1/chat/completions, keeps the
-// conversation in localStorage. Plain JS, no dependencies; every URL is relative so the
-// page works behind --root-path.
+// The chat page of `paged serve` (GET /): streams /v1/chat/completions. The conversation is
+// the tab's own (sessionStorage: a reload keeps it, another tab never overwrites it); the
+// settings and the API key are shared by the tabs (localStorage, kept in step by the
+// `storage` event). Plain JS, no dependencies; every URL is relative so the page works
+// behind --root-path.
 "use strict";
 
-const STORE = "paged.chat";
+const STORE = "paged.chat"; // sessionStorage: this tab's conversation
+const SETTINGS_STORE = "paged.settings"; // localStorage: the settings, shared by the tabs
 const KEY_STORE = "paged.apiKey";
 const DEFAULTS = { system: "", temperature: "0.7", top_p: "", max_tokens: "512" };
 
@@ -13,21 +16,27 @@ const ESC = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;
 const escapeHtml = (s) => s.replace(/[&<>"']/g, (c) => ESC[c]);
 const SAFE_URL = /^(https?:\/\/|mailto:)/i;
 
+// Bold and italic on escaped text: the tags added are the only markup.
+function emphasize(s) {
+  s = s.replace(/\*\*(\S(?:[^*\n]*\S)?)\*\*/g, "<strong>$1</strong>");
+  s = s.replace(/__(\S(?:[^_\n]*\S)?)__/g, "<strong>$1</strong>");
+  s = s.replace(/(^|[^*\w])\*(\S(?:[^*\n]*\S)?)\*(?!\w)/g, "$1<em>$2</em>");
+  return s.replace(/(^|[^_\w])_(\S(?:[^_\n]*\S)?)_(?!\w)/g, "$1<em>$2</em>");
+}
+
 function renderInline(raw) {
   // Code spans and links become placeholders so emphasis never reaches inside them.
   const held = [];
   const hold = (html) => `\u0000${held.push(html) - 1}\u0000`;
   let s = escapeHtml(raw);
   s = s.replace(/`([^`\n]+)`/g, (_, code) => hold(`<code>${code}</code>`));
+  // A link label gets its emphasis here, the URL never does (it is held whole).
   s = s.replace(/\[([^\]\n]+)\]\(([^)\s\u0000]+)\)/g, (m, label, url) =>
     SAFE_URL.test(url)
-      ? hold(`<a href="${url}" target="_blank" rel="noopener noreferrer">${label}</a>`)
+      ? hold(`<a href="${url}" target="_blank" rel="noopener noreferrer">${emphasize(label)}</a>`)
       : m,
   );
-  s = s.replace(/\*\*(\S(?:[^*\n]*\S)?)\*\*/g, "<strong>$1</strong>");
-  s = s.replace(/__(\S(?:[^_\n]*\S)?)__/g, "<strong>$1</strong>");
-  s = s.replace(/(^|[^*\w])\*(\S(?:[^*\n]*\S)?)\*(?!\w)/g, "$1<em>$2</em>");
-  s = s.replace(/(^|[^_\w])_(\S(?:[^_\n]*\S)?)_(?!\w)/g, "$1<em>$2</em>");
+  s = emphasize(s);
   // Placeholders may nest (a code span inside a link label): resolve until none is left.
   while (/\u0000\d+\u0000/.test(s)) s = s.replace(/\u0000(\d+)\u0000/g, (_, i) => held[+i]);
   return s;
@@ -90,23 +99,43 @@ function renderMarkdown(src) {
   return out.join("");
 }
 
-// ---- state kept in localStorage ----
+// ---- state: the conversation in sessionStorage, the settings in localStorage ----
+
+function readJson(storage, key) {
+  try {
+    return JSON.parse(storage.getItem(key)) || {};
+  } catch {
+    return {};
+  }
+}
 
 function loadState() {
-  let saved = {};
-  try {
-    saved = JSON.parse(localStorage.getItem(STORE)) || {};
-  } catch {
-    saved = {};
+  let saved = readJson(sessionStorage, STORE);
+  let settings = readJson(localStorage, SETTINGS_STORE);
+  const legacy = localStorage.getItem(STORE); // an older page kept both in localStorage
+  if (legacy !== null) {
+    const old = readJson(localStorage, STORE);
+    if (!sessionStorage.getItem(STORE)) saved = old; // the first tab opened takes it over
+    if (!localStorage.getItem(SETTINGS_STORE)) settings = old.settings || {};
+    localStorage.removeItem(STORE);
   }
   const messages = Array.isArray(saved.messages) ? saved.messages : [];
   for (const m of messages) if (m.state === "streaming") m.state = "stopped"; // reloaded mid-reply
-  return { messages, settings: { ...DEFAULTS, ...(saved.settings || {}) } };
+  return { messages, settings: { ...DEFAULTS, ...settings } };
 }
 
 const state = loadState();
-const saveState = () => localStorage.setItem(STORE, JSON.stringify(state));
 const $ = (id) => document.getElementById(id);
+
+function store(storage, key, value) {
+  try {
+    storage.setItem(key, JSON.stringify(value));
+  } catch (e) {
+    setStatus(`not saved in the browser: ${e.message}`, true); // quota exceeded
+  }
+}
+const saveState = () => store(sessionStorage, STORE, { messages: state.messages });
+const saveSettings = () => store(localStorage, SETTINGS_STORE, state.settings);
 let controller = null; // the AbortController of the reply being streamed
 let modelId = null;
 
@@ -131,11 +160,14 @@ function keySubmitted() {
   for (const resolve of waiters) resolve();
 }
 
-async function api(path, init = {}) {
+// `sent` is called as each attempt goes out (after any wait for the key): the time a
+// request took starts there.
+async function api(path, init = {}, sent = () => {}) {
   for (;;) {
     const key = localStorage.getItem(KEY_STORE);
     const headers = { ...(init.headers || {}) };
     if (key) headers.Authorization = `Bearer ${key}`;
+    sent();
     const res = await fetch(path, { ...init, headers });
     if (res.status !== 401) return res;
     await askKey(Boolean(key));
@@ -205,7 +237,15 @@ function fillMessage(el, m) {
   const think = el.querySelector(".reasoning");
   think.hidden = !m.reasoning;
   think.querySelector("div").textContent = m.reasoning || "";
-  el.querySelector(".meta").textContent = m.role === "assistant" ? metaText(m) : "";
+  const failed = "not answered: left out of the conversation from now on";
+  el.querySelector(".meta").textContent =
+    m.role === "assistant" ? metaText(m) : m.state === "failed" ? failed : "";
+}
+
+// Whether the view is at (or near) its bottom: only then does a streamed reply scroll it,
+// so that one can scroll up and read while a reply arrives.
+function atBottom(box) {
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 40;
 }
 
 function messageElement(m) {
@@ -251,18 +291,84 @@ async function* sseData(body) {
   }
 }
 
+// ---- settings: checked before they are sent, never silently altered ----
+
+const FIELDS = {
+  temperature: {
+    id: "temperature",
+    label: "Temperature",
+    ok: (v) => v >= 0 && v <= 2,
+    want: "a number from 0 to 2",
+  },
+  top_p: {
+    id: "top-p",
+    label: "Top p",
+    ok: (v) => v > 0 && v <= 1,
+    want: "a number above 0, at most 1",
+  },
+  max_tokens: {
+    id: "max-tokens",
+    label: "Max tokens",
+    ok: (v) => Number.isInteger(v) && v >= 1,
+    want: "a whole number, at least 1",
+  },
+};
+
+// The value of a number setting: undefined when empty (the server's default), else a number;
+// an error message when it is not a valid value.
+function settingValue(field) {
+  const f = FIELDS[field];
+  const input = $(f.id);
+  const raw = String(state.settings[field] ?? "").trim();
+  if (input && input.validity.badInput) return { error: `${f.label}: not a number` };
+  if (!raw) return {};
+  const v = Number(raw);
+  if (!Number.isFinite(v) || !f.ok(v)) return { error: `${f.label}: ${raw} is not ${f.want}` };
+  return { value: v };
+}
+
+// Marks each invalid field and lists the problems under the settings; returns them.
+function checkSettings() {
+  const problems = [];
+  for (const [field, f] of Object.entries(FIELDS)) {
+    const { error } = settingValue(field);
+    const input = $(f.id);
+    input.classList.toggle("invalid", Boolean(error));
+    input.setAttribute("aria-invalid", String(Boolean(error)));
+    input.title = error || "";
+    if (error) problems.push(error);
+  }
+  const box = $("settings-error");
+  box.textContent = problems.join("\n");
+  box.hidden = !problems.length;
+  return problems;
+}
+
+// The history sent: a user turn only while it has an answer (or is the one being sent now),
+// so a failed request (its user turn marked "failed") never goes out again.
+function history(messages) {
+  const out = [];
+  messages.forEach((m, i) => {
+    const next = messages[i + 1];
+    const answered = next && next.role === "assistant" && next.content && next.state !== "error";
+    const keep =
+      m.role === "user"
+        ? m.state !== "failed" && (answered || !next)
+        : m.content && m.state !== "error";
+    if (keep) out.push({ role: m.role, content: m.content });
+  });
+  return out;
+}
+
 function requestBody() {
   const s = state.settings;
-  const history = state.messages
-    .filter((m) => m.content && m.state !== "error")
-    .map((m) => ({ role: m.role, content: m.content }));
-  const messages = s.system.trim() ? [{ role: "system", content: s.system }, ...history] : history;
+  const turns = history(state.messages);
+  const messages = s.system.trim() ? [{ role: "system", content: s.system }, ...turns] : turns;
   const body = { messages, stream: true, stream_options: { include_usage: true } };
   if (modelId) body.model = modelId;
-  const numbers = { temperature: parseFloat, top_p: parseFloat, max_tokens: parseInt };
-  for (const [field, parse] of Object.entries(numbers)) {
-    const v = parse(s[field]);
-    if (Number.isFinite(v)) body[field] = v;
+  for (const field of Object.keys(FIELDS)) {
+    const { value } = settingValue(field);
+    if (value !== undefined) body[field] = value;
   }
   return body;
 }
@@ -270,27 +376,35 @@ function requestBody() {
 async function send() {
   const text = $("input").value.trim();
   if (!text || controller) return;
+  const problems = checkSettings();
+  if (problems.length) {
+    setStatus(`Not sent: ${problems.join("; ")}`, true);
+    return;
+  }
   $("input").value = "";
-  state.messages.push({ role: "user", content: text });
+  const turn = { role: "user", content: text };
+  state.messages.push(turn);
   const body = requestBody();
   const reply = { role: "assistant", content: "", state: "streaming", deltas: 0 };
   state.messages.push(reply);
   saveState();
   renderAll();
-  const el = $("messages").lastElementChild;
+  const box = $("messages");
+  const el = box.lastElementChild;
   controller = new AbortController();
   setBusy(true);
   setStatus("");
-  const t0 = performance.now();
+  let t0 = performance.now();
   let tFirst = null;
   let usage = null;
   try {
-    const res = await api("v1/chat/completions", {
+    const init = {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
       signal: controller.signal,
-    });
+    };
+    const res = await api("v1/chat/completions", init, () => (t0 = performance.now()));
     if (!res.ok) throw new Error(await errorText(res));
     for await (const data of sseData(res.body)) {
       if (data === "[DONE]") break;
@@ -308,8 +422,9 @@ async function send() {
         reply.deltas++;
       }
       if (choice.finish_reason) reply.finish = choice.finish_reason;
+      const follow = atBottom(box);
       fillMessage(el, reply);
-      $("messages").scrollTop = $("messages").scrollHeight;
+      if (follow) box.scrollTop = box.scrollHeight;
     }
     reply.state = "done";
   } catch (e) {
@@ -317,8 +432,14 @@ async function send() {
     else {
       reply.state = "error";
       reply.error = e.message;
+      setStatus(`The request failed: ${e.message}`, true);
     }
   } finally {
+    // Unanswered (an error, or stopped before any text): the turn is not sent again.
+    if (reply.state === "error" || !reply.content) {
+      turn.state = "failed";
+      if (el.previousElementSibling) fillMessage(el.previousElementSibling, turn);
+    }
     const tEnd = performance.now();
     // Tokens: the server's count when it sent usage, else the deltas rendered.
     reply.tokens = usage ? usage.completion_tokens : reply.deltas;
@@ -337,20 +458,38 @@ async function send() {
 
 // ---- wiring ----
 
-function bindSetting(id, field) {
-  const input = $(id);
+const SETTING_IDS = {
+  system: "system",
+  temperature: "temperature",
+  top_p: "top-p",
+  max_tokens: "max-tokens",
+};
+
+function bindSetting(field) {
+  const input = $(SETTING_IDS[field]);
   input.value = state.settings[field];
-  input.addEventListener("input", () => {
+  const changed = () => {
     state.settings[field] = input.value;
-    saveState();
-  });
+    saveSettings();
+    checkSettings();
+  };
+  input.addEventListener("input", changed);
+  input.addEventListener("change", changed); // a field cleared by a script fires only this
+}
+
+// Another tab changed the settings: take them (the conversation is each tab's own).
+function settingsChanged(e) {
+  if (e.key !== SETTINGS_STORE || e.storageArea !== localStorage) return;
+  state.settings = { ...DEFAULTS, ...readJson(localStorage, SETTINGS_STORE) };
+  for (const [field, id] of Object.entries(SETTING_IDS))
+    if ($(id).value !== state.settings[field]) $(id).value = state.settings[field];
+  checkSettings();
 }
 
 function init() {
-  bindSetting("system", "system");
-  bindSetting("temperature", "temperature");
-  bindSetting("top-p", "top_p");
-  bindSetting("max-tokens", "max_tokens");
+  for (const field of Object.keys(SETTING_IDS)) bindSetting(field);
+  window.addEventListener("storage", settingsChanged);
+  checkSettings();
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     send();
@@ -375,5 +514,5 @@ function init() {
   loadInfo();
 }
 
-window.pagedChat = { renderMarkdown }; // for tests and the console
+window.pagedChat = { renderMarkdown, requestBody }; // for tests and the console
 document.addEventListener("DOMContentLoaded", init);
