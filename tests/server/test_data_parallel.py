@@ -115,6 +115,9 @@ def test_placements_split_cores_and_devices(monkeypatch):
     ps = placements(EngineConfig(), 8)  # more replicas than cores: not pinned, one thread
     assert all(p.cpus is None and p.threads == 1 for p in ps)
     assert ps[3].env["CUDA_VISIBLE_DEVICES"] == ""  # no device left for it
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    ps = placements(EngineConfig(), 20_000)  # linear in the count (was quadratic: a hang)
+    assert ps[-1].env["CUDA_VISIBLE_DEVICES"] == "19999" and ps[-1].cpus is None
 
 
 def test_one_replica_is_a_plain_engine():

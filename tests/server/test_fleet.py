@@ -22,8 +22,10 @@ import httpx
 import pytest
 import rel
 
+from paged.engine.async_engine import EngineDeadError
 from paged.engine.replicas import Replica, ReplicaSet
 from paged.engine.router import DEFAULT_SPEED, PrefixIndex, Router, block_hashes
+from paged.server.errors import APIError
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "Once upon a time"]
 PROMPTS += ["Paris is", "The sky"]
@@ -116,7 +118,13 @@ def test_routers_never_pick_a_replica_too_small_for_the_request():
         for _ in range(3):
             assert rs.route([1] * 100, Params(max_tokens=100)).engine is big
         assert rs.info["max_model_len"] == 512  # a fleet takes what fits somewhere
-        assert rs.route([1] * 600, Params(1)).engine is big  # fits nowhere: the largest refuses
+        with pytest.raises(APIError) as e:  # fits nowhere: the 400 of a single engine
+            rs.route([1] * 600, Params(1))
+        assert (e.value.status, e.value.param) == (400, "prompt")
+        assert e.value.code == "context_length_exceeded" and "length is 512 tokens" in str(e.value)
+        with pytest.raises(APIError) as e:
+            Router(policy).pick([small, big], [1] * 400, 200)
+        assert e.value.param == "max_tokens" and "600 were requested" in str(e.value)
     with pytest.raises(ValueError, match="unknown router"):
         Router("fastest")
 
@@ -266,7 +274,70 @@ def test_dead_replicas_restart_and_the_set_fails_only_when_none_can(monkeypatch)
         await until(lambda: rs.dead is not None)
         assert fired == [1] and not rs.ready and "every replica is dead" in rs.dead
         assert starts["made"] == 1 + replicas.MAX_RESTARTS + 2
+        with pytest.raises(EngineDeadError):  # a 503, not a 400: no replica is left at all
+            [u async for u in rs.generate("late", [1], Params())]
         await rs.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_request_waits_for_the_restarting_replica_that_fits_it_never_a_smaller_one(
+    monkeypatch,
+):
+    """The 1024-token replica restarts while a 128-token one serves: a request that only the
+    large one holds waits for it (the small one would cut its answer short); one that fits
+    both goes to the small one meanwhile; with the large one dead for good, the fleet's
+    context is the small one's and the request gets the 400 of a single engine."""
+    import paged.engine.replicas as replicas
+
+    monkeypatch.setattr(replicas, "RESTART_BACKOFF_S", 0.0)
+    gate = asyncio.Event()
+    starts = {"ok": True}
+
+    class Slow(Restartable):  # a restart that is ready once the test says so
+        async def wait_ready(self):
+            await gate.wait()
+            return self.ready
+
+    def big_factory():
+        e = Slow(ok=starts["ok"])
+        e.info["max_model_len"] = 1024
+        return e
+
+    async def run():
+        small = Restartable()
+        small.info["max_model_len"] = 128
+        big = Restartable()
+        big.info["max_model_len"] = 1024
+        rs = ReplicaSet([Replica(0, small), Replica(1, big, factory=big_factory)], False,
+                        "least-load")  # fmt: skip
+        assert await rs.wait_ready() and rs.info["max_model_len"] == 1024
+        big.fail("the engine core process exited (code -9)")
+        assert rs.replicas[1].health == "restarting" and rs.ready
+        prompt = [1] * 100
+        assert rs.route(prompt, Params(50)) is None  # fits only the one restarting: wait
+        task = asyncio.create_task(collect(rs, "long", prompt, 50))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done() and small.sent == []  # never the replica too small for it
+        assert len(await collect(rs, "short", [1] * 10, 50)) == 1  # fits both: served now
+        assert small.sent == ["short"]
+        gate.set()  # the large replica is back: the request waiting goes there
+        assert len(await asyncio.wait_for(task, 10)) == 1
+        assert rs.replicas[1].engine.sent == ["long"]
+        assert small.sent == ["short"] and rs.retried == 0
+        starts["ok"] = False  # from now on the large one never comes back
+        rs.replicas[1].engine.fail("killed")
+        await until(lambda: rs.replicas[1].health == "dead")
+        assert rs.info["max_model_len"] == 128 and rs.ready  # the server's 400 says 128 now
+        with pytest.raises(APIError) as e:
+            await collect(rs, "again", prompt, 50)
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+        assert e.value.param == "max_tokens" and "length is 128 tokens" in str(e.value)
+        await rs.shutdown()
+
+    async def collect(rs: ReplicaSet, rid: str, prompt: list[int], max_tokens: int) -> list:
+        return [u async for u in rs.generate(rid, prompt, Params(max_tokens))]
 
     asyncio.run(run())
 

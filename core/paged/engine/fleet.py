@@ -9,8 +9,12 @@
 `args` take any `paged serve` engine flag by its EngineConfig name (max_num_seqs, or
 max-num-seqs) and the platforms' options (cpu_native, ...); a group's args override the
 file's, which override the command line's. Errors name the file, line and field
-(FleetError). `build_fleet` starts nothing: it returns the ReplicaSet of engine-core
-processes on this host, each with its platform forced and its share of the host's cores.
+(FleetError): `parse_fleet` / `load_fleet` check the file itself (fields, types, duplicate
+keys, engine arguments); before anything starts, the server also runs `check_platforms`
+(installed ones) and `check_size` (what this host can run) for replicas on this host, and
+`check_groups` (each group's config against the model's config.json). `build_fleet` starts
+nothing: it returns the ReplicaSet of engine-core processes on this host, each with its
+platform forced and its share of the host's cores.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from paged.config import EngineConfig, platform_options
 
@@ -37,9 +41,10 @@ class FleetError(ValueError):
 class Group(BaseModel):
     model_config = ConfigDict(extra="forbid")
     platform: str = Field(min_length=1)
-    count: int = Field(default=1, ge=1)
+    count: int = Field(default=1, ge=1, strict=True)  # strict: `true` is not 1
     args: dict[str, Any] = Field(default_factory=dict)
-    num_cpus: int = Field(default=1, ge=1)  # with Ray: CPUs (threads) each replica reserves
+    # with Ray: CPUs (threads) each replica reserves
+    num_cpus: int = Field(default=1, ge=1, strict=True)
 
 
 class Fleet(BaseModel):
@@ -47,6 +52,8 @@ class Fleet(BaseModel):
     model: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
     replicas: list[Group] = Field(min_length=1)
+    _name: str = PrivateAttr("<fleet>")  # the file, and its YAML node tree: for the lines of
+    _root: Any = PrivateAttr(None)  # errors found after parsing (fleet_error)
 
     @property
     def size(self) -> int:
@@ -145,6 +152,26 @@ def _bad(value: Any) -> Any:
     raise ValueError("expected a number")
 
 
+def _duplicates(name: str, node: Any, path: tuple[Any, ...] = ()) -> None:
+    """FleetError at the second of two equal keys in any mapping (YAML keeps the last one
+    silently; a fleet file that says a field twice is a mistake)."""
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            if key is not None and key in seen:
+                line = k.start_mark.line + 1
+                raise FleetError(f"{name}:{line}: {_field((*path, key))}: duplicate key {key!r}")
+            if key is not None:
+                seen.add(key)
+            _duplicates(name, v, (*path, key) if key is not None else path)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _duplicates(name, v, (*path, i))
+
+
 def parse_fleet(text: str, name: str = "<fleet>") -> Fleet:
     """Validate a fleet file's text (YAML, or JSON: a subset of it). FleetError on any error."""
     import yaml
@@ -156,6 +183,7 @@ def parse_fleet(text: str, name: str = "<fleet>") -> Fleet:
         where = f"{name}:{mark.line + 1}" if mark is not None else name
         raise FleetError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
     root = _lines(text)
+    _duplicates(name, root)
     if not isinstance(data, dict):
         raise _err(name, root, (), "expected a mapping with 'model' and 'replicas'")
     try:
@@ -170,16 +198,78 @@ def parse_fleet(text: str, name: str = "<fleet>") -> Fleet:
     fleet.args = _check_args(fleet.args, name, root, ("args",))
     for i, g in enumerate(fleet.replicas):
         g.args = _check_args(g.args, name, root, ("replicas", i, "args"))
+    fleet._name, fleet._root = name, root
     return fleet
 
 
 def load_fleet(path: str | Path) -> Fleet:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes().decode("utf-8")
     except OSError as e:
         raise FleetError(f"cannot read the fleet file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise FleetError(f"{p}: not UTF-8 text (byte {e.start})") from None
     return parse_fleet(text, str(p))
+
+
+def fleet_error(fleet: Fleet, path: tuple[Any, ...], msg: str) -> FleetError:
+    """A FleetError naming the file, the line of `path` in it and the field."""
+    return _err(fleet._name, fleet._root, path, msg)
+
+
+def check_platforms(fleet: Fleet) -> None:
+    """FleetError for a group whose platform no installed plugin provides (paged.plugins;
+    one that is installed but unavailable here fails the start-up instead). Replicas on this
+    host only: with Ray, the nodes' plugins matter, not this one's."""
+    from paged.plugins import all_platforms
+
+    names = sorted(cls.name for cls in all_platforms())
+    for i, g in enumerate(fleet.replicas):
+        if g.platform not in names:
+            known = ", ".join(names) or "none: pip install paged[cpu]"
+            msg = f"unknown platform {g.platform!r} (installed: {known})"
+            raise fleet_error(fleet, ("replicas", i, "platform"), msg)
+
+
+def check_groups(fleet: Fleet, configs: list[EngineConfig], check: Any) -> None:
+    """`check(config)` (serving_stack.check_model: what the model's config.json allows) on
+    each group's config; its ValueError as a FleetError naming the group, and the line of the
+    argument it names when the file sets it."""
+    k = 0
+    for i, g in enumerate(fleet.replicas):
+        try:
+            check(configs[k])
+        except ValueError as e:
+            msg = str(e)
+            field = msg.split(":", 1)[0] if ": " in msg else ""
+            path: tuple[Any, ...] = ("replicas", i)
+            if field in g.args:
+                path = ("replicas", i, "args", field)
+            elif field in fleet.args:
+                path = ("args", field)
+            where = _line_of(fleet._root, path)
+            at = f"{fleet._name}:{where}" if where else fleet._name
+            raise FleetError(f"{at}: replicas[{i}] ({g.platform}): {msg}") from None
+        k += g.count
+
+
+def check_size(fleet: Fleet, configs: list[EngineConfig]) -> None:
+    """FleetError when the fleet's replicas cannot all run on this host
+    (replicas.check_local_replicas: too many per core, or more devices than it shows), at
+    the count of the group that overflows."""
+    from paged.engine.replicas import check_local_replicas
+
+    groups: list[tuple[str | None, str, int, int]] = []
+    k = 0
+    for i, g in enumerate(fleet.replicas):
+        cfg = configs[k]
+        groups.append((g.platform, _device_type(g.platform), cfg.world_size, g.count))
+        k += g.count
+        try:
+            check_local_replicas(groups)
+        except ValueError as e:
+            raise fleet_error(fleet, ("replicas", i, "count"), str(e)) from None
 
 
 # ---- building ----------------------------------------------------------------------------
@@ -207,14 +297,19 @@ def group_configs(fleet: Fleet, base: EngineConfig, name: str = "<fleet>") -> li
     return out
 
 
-def _uses_devices(platform: str) -> bool:
-    """Whether replicas of this platform take devices of their own (cpu-type ones do not)."""
+def _device_type(platform: str) -> str:
+    """The platform's torch device type ("cpu" for an unknown one: it takes no devices)."""
     from paged.plugins import all_platforms
 
     for cls in all_platforms():
         if cls.name == platform:
-            return getattr(cls, "device_type", "cpu") != "cpu"
-    return True
+            return getattr(cls, "device_type", "cpu")
+    return "cpu"
+
+
+def _uses_devices(platform: str) -> bool:
+    """Whether replicas of this platform take devices of their own (cpu-type ones do not)."""
+    return _device_type(platform) != "cpu"
 
 
 def build_fleet(
@@ -254,16 +349,19 @@ def _local_fleet(
 
     shares = placements(base, len(configs))
     used = 0  # devices handed out so far, in order of the visible ones
+    visible = {var: os.environ.get(var) for var in DEVICE_VARS}
+    ids = {var: seen.split(",") if seen else None for var, seen in visible.items()}
+    devices = {p: _uses_devices(p) for p in {c.platform or "" for c in configs}}
     replicas = []
     for p, cfg in zip(shares, configs):
         for var in DEVICE_VARS:
             p.env.pop(var, None)
-        if _uses_devices(cfg.platform or ""):
+        if devices[cfg.platform or ""]:
             w = cfg.world_size
             for var in DEVICE_VARS:
-                seen = os.environ.get(var)
-                ids = seen.split(",") if seen else [str(i) for i in range(used + w)]
-                p.env[var] = ",".join(ids[used : used + w])
+                seen = ids[var]
+                mine = range(used, used + w) if seen is None else seen[used : used + w]
+                p.env[var] = ",".join(map(str, mine))
             used += w
 
         def factory(cfg: EngineConfig = cfg, p: Any = p) -> AsyncEngine:

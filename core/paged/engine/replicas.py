@@ -39,7 +39,7 @@ from typing import Any
 
 from paged.config import EngineConfig
 from paged.engine.async_engine import AsyncEngine, EngineDeadError, ReplicaLostError, SeqUpdate
-from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes
+from paged.engine.router import BLOCK, PrefixIndex, Router, block_hashes, fits, too_long
 from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
@@ -57,6 +57,11 @@ COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "gener
 # Variables that choose the devices a process sees, by platform family: each replica sees a
 # disjoint slice of what the server sees (CUDA_VISIBLE_DEVICES also filters HIP devices).
 DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ZE_AFFINITY_MASK")
+# Most replicas on this host per core this server may use. Past one per core they run unpinned
+# with one thread each (placements); every one is a process with its own engine loop, weights
+# and KV cache, so many more than the cores mostly wait for one (and a count by the thousand
+# would exhaust the host before serving anything). check_local_replicas refuses more.
+REPLICAS_PER_CORE = 4
 
 
 @dataclass
@@ -87,15 +92,22 @@ class Placement:
         return f"replica {self.index}: cores {cpus}, {self.threads or 'default'} threads;{devs}"
 
 
+def usable_cpus() -> list[int]:
+    """The cores this process may use (its affinity), else all of the host's."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cpus or list(range(os.cpu_count() or 1))
+
+
 def placements(config: EngineConfig, n: int) -> list[Placement]:
     """n disjoint shares of this host: the cores this process may use split evenly (each
     replica pinned to its own, with as many threads; OMP_NUM_THREADS, when set, caps the
     threads), and config.world_size devices each, in order of the visible ones."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    cpus = cpus or list(range(os.cpu_count() or 1))
+    cpus = usable_cpus()
     k = len(cpus)
     cap = os.environ.get("OMP_NUM_THREADS", "")
     world = config.world_size
+    visible = {var: os.environ.get(var) for var in DEVICE_VARS}
+    ids = {var: seen.split(",") if seen else None for var, seen in visible.items()}
     out = []
     for r in range(n):
         share = tuple(cpus[k * r // n : k * (r + 1) // n]) if k >= n else None  # else unpinned
@@ -104,11 +116,55 @@ def placements(config: EngineConfig, n: int) -> list[Placement]:
             threads = min(threads, int(cap))
         env = {"OMP_NUM_THREADS": str(threads)}
         for var in DEVICE_VARS:
-            seen = os.environ.get(var)
-            ids = seen.split(",") if seen else [str(i) for i in range(n * world)]
-            env[var] = ",".join(ids[r * world : (r + 1) * world])  # "": no device left
+            seen = ids[var]  # "": no device left
+            mine = range(r * world, (r + 1) * world) if seen is None else seen[r * world :][:world]
+            env[var] = ",".join(map(str, mine))
         out.append(Placement(r, share, threads, env))
     return out
+
+
+def visible_devices(device_type: str) -> int | None:
+    """How many devices of this type the server's replicas can be given: those its
+    CUDA_VISIBLE_DEVICES / ZE_AFFINITY_MASK name, else what torch counts (None: unknown, or
+    none found: the platform is then unavailable and its replicas fail the start-up)."""
+    var = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}.get(device_type)
+    seen = os.environ.get(var) if var else None
+    if seen is not None:
+        return len([d for d in seen.split(",") if d.strip()]) or None
+    try:
+        import torch
+
+        count = getattr(torch, device_type).device_count()
+    except Exception:  # no such backend in this torch, or it cannot count here
+        return None
+    return int(count) or None
+
+
+def check_local_replicas(groups: list[tuple[str | None, str, int, int]]) -> None:
+    """Whether these replicas can all run on this host: groups of (platform or None,
+    device_type, world_size, count). ValueError, saying why, for more replicas than
+    REPLICAS_PER_CORE per core this server may use, or, for a device platform, more devices
+    (count x world_size over its groups) than this host shows."""
+    k = len(usable_cpus())
+    total = sum(c for *_, c in groups)
+    if total > REPLICAS_PER_CORE * k:
+        raise ValueError(
+            f"{total} replicas on this host, more than it can run: at most "
+            f"{REPLICAS_PER_CORE * k} ({REPLICAS_PER_CORE} per core, {k} cores this server "
+            "may use)"
+        )
+    need: dict[str, tuple[int, list[str]]] = {}
+    for platform, device_type, world, count in groups:
+        if device_type != "cpu":
+            n, names = need.get(device_type, (0, []))
+            need[device_type] = (n + world * count, names + [platform or device_type])
+    for device_type, (n, names) in need.items():
+        have = visible_devices(device_type)
+        if have is not None and n > have:
+            raise ValueError(
+                f"{n} {device_type} devices needed ({', '.join(dict.fromkeys(names))}: "
+                f"replicas x tensor x pipeline parallel size), {have} visible on this host"
+            )
 
 
 def _load_once(load: Callable[[], Any] | None) -> Callable[[], Any] | None:
@@ -298,6 +354,12 @@ class Replica:
         self.engine.abort(request_id)
 
 
+async def _raising(e: BaseException) -> AsyncIterator[SeqUpdate]:
+    """An iterator that raises `e` when iterated (a request refused before it was sent)."""
+    raise e
+    yield  # unreachable: makes this an async generator
+
+
 def _ewma(old: float | None, sample: float) -> float:
     return sample if old is None else (1 - EWMA) * old + EWMA * sample
 
@@ -375,14 +437,16 @@ class ReplicaSet:
     @property
     def info(self) -> dict[str, Any] | None:
         """The first replica's info with what all of them hold together: the smallest
-        max_model_len (a request must fit wherever it goes; in a fleet, the largest: the
-        router sends each request where it fits), the sum of KV blocks."""
+        max_model_len (a request must fit wherever it goes; in a fleet, the largest of the
+        replicas not dead for good: the router sends each request where it fits), the sum
+        of KV blocks."""
         if self._info is None:
             infos = [r.info for r in self.replicas]
             if any(i is None for i in infos):
                 return None
             info = dict(infos[0])
-            lens = [i["max_model_len"] for i in infos]
+            lens = [i["max_model_len"] for r, i in zip(self.replicas, infos) if r.failed is None]
+            lens = lens or [i["max_model_len"] for i in infos]
             info["max_model_len"] = min(lens) if self.same_platform else max(lens)
             info["platforms"] = [i.get("platform") for i in infos]
             info["num_blocks"] = sum(i["num_blocks"] for i in infos)
@@ -513,6 +577,7 @@ class ReplicaSet:
 
     def _give_up(self, r: Replica, why: str) -> None:
         r.failed, r.restarting = why, False
+        self._info = None  # the fleet's max_model_len: of the replicas that may still serve
         log.error("replica %d stays dead: %s", r.index, why)
         self._notify()
         if all(x.failed is not None for x in self.replicas):
@@ -539,11 +604,25 @@ class ReplicaSet:
     # ---- requests --------------------------------------------------------------------
     def route(
         self, prompt_ids: list[int], params: SamplingParams, hashes: list[int] | None = None
-    ) -> Replica:
-        """The router's pick among the serving replicas that can hold the request
-        (router.py); with none serving, among all (a dead one's engine says so at once)."""
+    ) -> Replica | None:
+        """The router's pick among the serving replicas that can hold the request (their
+        max_model_len at least its prompt plus max_tokens; router.py). None when some replica
+        can hold it but none of those serves now (they are starting or restarting: wait for
+        one, _serving_replica). When none can, not even one being restarted (those dead for
+        good do not count), the 400 of router.too_long; EngineDeadError once the set is dead.
+        A replica too small is never picked."""
         max_tokens = getattr(params, "max_tokens", None)
-        live = [r for r in self.replicas if r.ready] or self.replicas
+        n = len(prompt_ids)
+        others = [r for r in self.replicas if r.failed is None]
+        if self.dead is not None or not others:
+            raise EngineDeadError(self.dead or "every replica is dead")
+        able = [r for r in others if fits(r, n, max_tokens)]
+        if not able:
+            limit = max((r.info or {}).get("max_model_len") or 0 for r in others)
+            raise too_long(n, max_tokens, limit)
+        live = [r for r in able if r.ready]
+        if not live:
+            return None
         return self.router.pick(live, prompt_ids, max_tokens, hashes)
 
     def generate(
@@ -557,11 +636,18 @@ class ReplicaSet:
         """AsyncEngine.generate on the routed replica. Its load rises as soon as the iterator
         starts (the request is sent), before any other request is routed. The replica
         remembers the prompt's blocks (its prefix cache holds them next). If the replica dies
-        before the request produced anything, it is sent again to another one."""
+        before the request produced anything, it is sent again to another one. When the only
+        replicas that can hold it are restarting, it waits for one of them (sent then); when
+        none can, iterating raises the 400 of router.too_long."""
         hashes = block_hashes(prompt_ids)  # once: for the router and the replica's index
-        replica = self.route(prompt_ids, params, hashes)
-        replica.prefix.add(hashes)
-        first = replica.generate(request_id, prompt_ids, params, lora_request, user)
+        try:
+            replica = self.route(prompt_ids, params, hashes)
+        except Exception as e:  # refused: raised to whoever iterates, as an engine does
+            return _raising(e)
+        first = None
+        if replica is not None:
+            replica.prefix.add(hashes)
+            first = replica.generate(request_id, prompt_ids, params, lora_request, user)
         return self._retrying(request_id, prompt_ids, params, replica, first, lora_request, user)
 
     async def _retrying(
@@ -569,13 +655,21 @@ class ReplicaSet:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        replica: Replica,
-        updates: AsyncIterator[SeqUpdate],
+        replica: Replica | None,
+        updates: AsyncIterator[SeqUpdate] | None,
         lora_request: LoRARequest | None = None,
         user: str | None = None,
     ) -> AsyncIterator[SeqUpdate]:
+        """The updates of `updates` (None: no replica that can hold the request serves yet;
+        wait for one, then send it there), sent again elsewhere when its replica dies before
+        it produced anything."""
         attempts, produced, t0 = 1, False, time.monotonic()
         try:
+            if updates is None:
+                replica = await self._serving_replica(prompt_ids, params)
+                replica.prefix.add(block_hashes(prompt_ids))
+                updates = replica.generate(request_id, prompt_ids, params, lora_request, user)
+            assert replica is not None
             while True:
                 try:
                     async for u in updates:
@@ -587,9 +681,16 @@ class ReplicaSet:
                         raise ReplicaLostError(f"replica {replica.index}: {e}") from e
                     if produced or self._closing or attempts > len(self.replicas):
                         raise
+                    lost = e
                 finally:
                     await updates.aclose()  # type: ignore[attr-defined]
-                replica = await self._serving_replica(prompt_ids, params)
+                try:
+                    replica = await self._serving_replica(prompt_ids, params)
+                except EngineDeadError:
+                    raise
+                except Exception:  # those that could hold it are dead for good: it is lost
+                    raise ReplicaLostError(f"replica {replica.index}: {lost}; no other replica "
+                                           "can hold this request") from None  # fmt: skip
                 attempts += 1
                 self.retried += 1
                 log.warning("request %s: its replica died before it produced a token; sent "
@@ -603,13 +704,16 @@ class ReplicaSet:
             raise
 
     async def _serving_replica(self, prompt_ids: list[int], params: SamplingParams) -> Replica:
-        """The router's pick among the serving replicas, waiting while none serves (they are
-        restarting); EngineDeadError once the set is dead."""
+        """The router's pick among the serving replicas that can hold the request, waiting
+        while none of those serves (they are restarting); EngineDeadError once the set is
+        dead, the 400 of router.too_long once every replica that could hold it is dead for
+        good."""
         while True:
             if self.dead is not None or self._closing:
                 raise EngineDeadError(self.dead or "the server is shutting down")
-            if any(r.ready for r in self.replicas):
-                return self.route(prompt_ids, params)
+            replica = self.route(prompt_ids, params)
+            if replica is not None:
+                return replica
             if self._changed is None:
                 self._changed = asyncio.Event()
             await self._changed.wait()

@@ -1,10 +1,11 @@
 """Routing policies for a ReplicaSet (`--router prefix|least-load|round-robin`).
 
 A policy picks one replica for a request among those that can hold it (max_model_len at least
-the prompt plus max_tokens). What it reads of a replica (replicas.Replica): `load` (outstanding
-tokens), `speed` and `prefill_speed` (tokens/s EWMAs learnt from the outputs it returned),
-`prefix` (a PrefixIndex: the chained hashes of the full blocks of the prompts it was sent) and
-`stats` (the engine's counters: prefix-cache queries and hits, in prompt tokens).
+the prompt plus max_tokens); it never picks one too small (`too_long` when none fits). What it
+reads of a replica (replicas.Replica): `load` (outstanding tokens), `speed` and
+`prefill_speed` (tokens/s EWMAs learnt from the outputs it returned), `prefix` (a PrefixIndex:
+the chained hashes of the full blocks of the prompts it was sent) and `stats` (the engine's
+counters: prefix-cache queries and hits, in prompt tokens).
 
 - least-load: the least outstanding work; ties take turns.
 - round-robin: turns, whatever the load.
@@ -78,6 +79,29 @@ def fits(replica: Any, prompt_len: int, max_tokens: int | None) -> bool:
     return limit is None or prompt_len + (max_tokens or 1) <= limit
 
 
+def too_long(prompt_len: int, max_tokens: int | None, limit: int) -> Exception:
+    """What the server answers a request that no replica can hold (the largest holds `limit`
+    tokens): its 400 context_length_exceeded naming the field, as for a single engine
+    (Serving.fit). An APIError (paged.server.errors), raised as is through the server."""
+    want = max_tokens or 1
+    if prompt_len >= limit:
+        field = "prompt"
+        msg = (
+            f"prompt: this model's maximum context length is {limit} tokens, but the "
+            f"prompt has {prompt_len} tokens (at least one must be left for the output)"
+        )
+    else:
+        field = "max_tokens"
+        msg = (f"max_tokens: this model's maximum context length is {limit} tokens, but "
+               f"{prompt_len + want} were requested ({prompt_len} in the prompt, {want} in the "
+               "completion); reduce the prompt or max_tokens")  # fmt: skip
+    try:
+        from paged.server.errors import APIError
+    except ImportError:  # no server here: the field still leads the message
+        return ValueError(msg)
+    return APIError(400, msg, field, "context_length_exceeded")
+
+
 def uncached_share(replica: Any) -> float:
     """The share of the prompt tokens the replica looked up that it computed itself."""
     stats = replica.stats or {}
@@ -115,13 +139,14 @@ class Router:
         max_tokens: int | None,
         hashes: list[int] | None = None,
     ):
-        """The replica for this request. Those too small for it are never picked, unless none
-        can hold it (then the largest, which refuses it with the engine's own message).
-        `hashes`: the prompt's block_hashes, when the caller has them already."""
+        """The replica for this request. Those too small for it are never picked: when none
+        can hold it, the 400 of `too_long` is raised. `hashes`: the prompt's block_hashes,
+        when the caller has them already."""
         n = len(replicas)
         ok = [r for r in replicas if fits(r, len(prompt_ids), max_tokens)]
         if not ok:
-            return max(replicas, key=lambda r: (r.info or {}).get("max_model_len") or 0)
+            limit = max((r.info or {}).get("max_model_len") or 0 for r in replicas)
+            raise too_long(len(prompt_ids), max_tokens, limit)
         start = self._turn(n)
         ring = sorted(ok, key=lambda r: (replicas.index(r) - start) % n)  # turns on ties
         if self.policy == "round-robin":

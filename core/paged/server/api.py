@@ -189,28 +189,33 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     except ValueError as e:
         log.error("invalid configuration: %s", e)
         return 2
+    from paged.server.serving_stack import check_model, parsing_options
+
     fleet = None
     if getattr(args, "fleet", None):
-        from paged.engine.fleet import FleetError, group_configs, load_fleet
-
-        try:
-            fleet = load_fleet(args.fleet)
-            if config.data_parallel_size != 1:
-                raise FleetError("--fleet and --data-parallel-size: the fleet file sets counts")
-            group_configs(fleet, config, args.fleet)  # the engine's own checks, now
-        except FleetError as e:
-            log.error("invalid fleet file: %s", e)
+        fleet = _check_fleet(args, config, check_model)
+        if fleet is None:
             return 2
         config.model = fleet.model or config.model
     elif getattr(args, "ray_address", None):
         log.error("--ray-address places the replicas of a --fleet file (docs/fleet.md)")
         return 2
-    from paged.server.serving_stack import check_model, parsing_options
+    elif config.data_parallel_size > 1:
+        from paged.engine.replicas import check_local_replicas
 
+        try:  # before anything starts: a count this host cannot run is refused at once
+            kind = _device_type(config.platform)
+            check_local_replicas(
+                [(config.platform, kind, config.world_size, config.data_parallel_size)]
+            )
+        except ValueError as e:
+            log.error("invalid configuration: data_parallel_size: %s", e)
+            return 2
     try:
         parsing_options(args)
         check_server_args(args)
-        check_model(config)
+        if fleet is None:  # a fleet's groups were checked each with its own arguments
+            check_model(config)
         check_http_args(args)
         check_log_args(args)
     except ValueError as e:
@@ -223,6 +228,47 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         return 130
+
+
+def _check_fleet(args: argparse.Namespace, config: EngineConfig, check_model: Any) -> Any:
+    """The --fleet file, checked before anything starts (None: refused, logged as `invalid
+    fleet file: ...`): its fields; with replicas on this host (no Ray), platforms that are
+    installed and a size the host can run; each group's engine configuration and what the
+    model's config.json allows it (check_model)."""
+    from paged.engine.fleet import (
+        FleetError,
+        check_groups,
+        check_platforms,
+        check_size,
+        group_configs,
+        load_fleet,
+    )
+
+    local = not (getattr(args, "ray_address", None) or os.environ.get("RAY_ADDRESS"))
+    try:
+        fleet = load_fleet(args.fleet)
+        if config.data_parallel_size != 1:
+            raise FleetError("--fleet and --data-parallel-size: the fleet file sets counts")
+        if local:
+            check_platforms(fleet)
+        configs = group_configs(fleet, config, args.fleet)  # the engine's own checks, now
+        if local:
+            check_size(fleet, configs)
+        check_groups(fleet, configs, check_model)
+    except FleetError as e:
+        log.error("invalid fleet file: %s", e)
+        return None
+    return fleet
+
+
+def _device_type(platform: str | None) -> str:
+    """The forced platform's device type; "cpu" when none is forced (which one is found is
+    known only in the engine: then only the cores bound the replicas here)."""
+    if not platform:
+        return "cpu"
+    from paged.engine.fleet import _device_type as device_type
+
+    return device_type(platform)
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:
