@@ -129,9 +129,12 @@ class Terminal:
         env = {**os.environ, "TERM": "xterm", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env.pop("PAGED_API_KEY", None)
         env.pop("OPENAI_API_KEY", None)
+        # Ctrl-C's default action, whatever this process has: a shell's background job (as
+        # CI may run the suite) starts with SIGINT ignored, and children inherit that.
         self.proc = subprocess.Popen(
             [*exe, *args], stdin=slave, stdout=slave, stderr=slave, env=env,
             start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         os.close(slave)
         self.fd, self.out = master, ""
