@@ -68,9 +68,32 @@ def test_tokenize_needs_one_input():
     with pytest.raises(ValueError):
         TokenizeRequest(prompt="a", messages=[{"role": "user", "content": "b"}])
     tool = {"type": "function", "function": {"name": "f"}}
-    for extra in ({"add_generation_prompt": False}, {"tools": [tool]}):  # chat only: not ignored
+    for extra in ({"add_generation_prompt": False}, {"tools": [tool]},  # chat only: not ignored
+                  {"continue_final_message": True}, {"chat_template_kwargs": {}}):  # fmt: skip
         with pytest.raises(ValueError, match=f"{next(iter(extra))}: applies to messages"):
             TokenizeRequest(prompt="a", **extra)
+
+
+def test_tokenize_template_options_follow_chat():
+    """continue_final_message needs the generation prompt off, as on chat (its default: on)."""
+    msgs = [{"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    for gen in (None, True):
+        with pytest.raises(ValueError, match="continue_final_message: cannot be used"):
+            TokenizeRequest(messages=msgs, continue_final_message=True, add_generation_prompt=gen)
+    req = TokenizeRequest(messages=msgs, continue_final_message=True, add_generation_prompt=False,
+                          chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    assert req.template_kwargs() == {"enable_thinking": False, "continue_final_message": True}
+
+
+@pytest.mark.parametrize("cls, key", [(CompletionRequest, "prompt"),
+                                      (ChatCompletionRequest, "messages")])  # fmt: skip
+def test_truncate_prompt_tokens_values(cls, key):
+    """-1 (the context length) or a positive count, as vLLM's; 0 and below -1 refused."""
+    body = {key: "a" if key == "prompt" else [{"role": "user", "content": "a"}]}
+    assert cls(**body, truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            cls(**body, truncate_prompt_tokens=bad)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """vLLM's sampling fields on /v1/completions: n and best_of, echo with logprobs, prompt_logprobs,
-truncate_prompt_tokens, continuous usage, and the ones refused with a 400 naming them."""
+truncate_prompt_tokens, continuous usage, and the ones refused with a 400 naming them; chat's
+template options, echo and add_special_tokens (and /tokenize rendering messages as chat)."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 PROMPT = "The capital of France is"
@@ -186,3 +188,128 @@ def test_chat_truncate_prompt_tokens(http):
         r = http.post("/v1/chat/completions", json=CHAT | {"truncate_prompt_tokens": k})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_truncate_prompt_tokens_minus_one_keeps_the_context_length(http, route):
+    """-1 (vLLM's, as on /v1/embeddings): the last max_model_len tokens. A prompt that fits
+    is unchanged; a longer one fills the context, leaving no room for the output: a 400
+    naming the prompt's field (never a 500)."""
+    chat = route.endswith("chat/completions")
+
+    def body(text: str) -> dict:
+        b = {"max_tokens": 1, "temperature": 0}
+        return b | ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+
+    whole = ok(http.post(route, json=body(PROMPT)))["usage"]["prompt_tokens"]
+    got = ok(http.post(route, json=body(PROMPT) | {"truncate_prompt_tokens": -1}))
+    assert got["usage"]["prompt_tokens"] == whole
+    r = http.post(route, json=body(" hello" * 2100) | {"truncate_prompt_tokens": -1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == ("messages" if chat else "prompt") and "2048 tokens" in err["message"]
+    r = http.post(route, json=body(PROMPT) | {"truncate_prompt_tokens": -2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_tokenize_renders_messages_as_chat(http):
+    """/tokenize's messages take chat's template options and give the ids chat prompts with."""
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Bl"}]
+    opts = {"add_generation_prompt": False, "continue_final_message": True,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    ids = ok(http.post("/tokenize", json={"messages": conv} | opts))["tokens"]
+    closed = ok(http.post("/tokenize", json={"messages": conv, "add_generation_prompt": False}))
+    assert len(ids) < closed["count"]  # no end-of-turn after "Bl"
+    body = {"messages": conv, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0} | opts
+    got = ok(http.post("/v1/chat/completions", json=body))
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    assert all(str(t) in lp for t, lp in zip(ids[1:], got["prompt_logprobs"][1:]))
+    for extra, param in (
+        ({"continue_final_message": True}, "continue_final_message"),  # generation prompt on
+        ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),  # as chat: never a request's
+    ):
+        r = http.post("/tokenize", json={"messages": conv} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http.post("/v1/chat/completions", json=body | {"chat_template": "{{ messages }}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    for extra in ({"continue_final_message": True}, {"chat_template_kwargs": {}}):
+        r = http.post("/tokenize", json={"prompt": PROMPT} | extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(extra)), r.text
+
+
+def test_chat_echo(http):
+    """vLLM's chat echo: the last (assistant) message's content before the reply's; streamed
+    as the first content delta, after the role's. Another role's message is not echoed."""
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Bl"}]
+    body = {"messages": conv, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    plain = ok(http.post("/v1/chat/completions", json=body))["choices"][0]["message"]["content"]
+    got = ok(http.post("/v1/chat/completions", json=body | {"echo": True}))
+    assert got["choices"][0]["message"]["content"] == "Bl" + plain
+    r = http.post("/v1/chat/completions", json=body | {"echo": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line[6:].startswith("{")]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "Bl"}
+    assert "".join(d.get("content") or "" for d in deltas) == "Bl" + plain
+    user_last = {"messages": conv[:1], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    want = ok(http.post("/v1/chat/completions", json=user_last))["choices"][0]["message"]
+    echoed = ok(http.post("/v1/chat/completions", json=user_last | {"echo": True}))
+    assert echoed["choices"][0]["message"]["content"] == want["content"]
+    beam = user_last | {"echo": True, "use_beam_search": True, "n": 2}
+    r = http.post("/v1/chat/completions", json=beam)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory) -> str:
+    """A 2-layer random Llama with the default model's tokenizer and chat template, set to
+    add a BOS token (<|endoftext|>) as Llama's tokenizers do."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from paged.model.loader import load_tokenizer, resolve_model
+
+    path = str(tmp_path_factory.mktemp("bos") / "tiny-llama")
+    tok = load_tokenizer(resolve_model(None))
+    tok.bos_token, tok.add_bos_token = "<|endoftext|>", True
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
+                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_add_special_tokens(bos_model, launch):
+    """vLLM's add_special_tokens: completions default true (the tokenizer's BOS), chat default
+    false (the template's tokens only); the other way when asked, the prompts /tokenize gives."""
+    srv = launch([bos_model, "--max-model-len", "256", "--kv-cache-memory", "16MiB"])
+
+    def post(route: str, body: dict) -> dict:
+        return ok(httpx.post(srv.url + route, json=body, timeout=60))
+
+    def prompted_with(route: str, body: dict, ids: list[int]) -> bool:
+        """Whether the route's prompt was `ids` (its prompt_logprobs name each token)."""
+        got = post(route, body | {"max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+        plp = got.get("prompt_logprobs") or got["choices"][0]["prompt_logprobs"]
+        return got["usage"]["prompt_tokens"] == len(plp) == len(ids) and all(
+            str(t) in lp for t, lp in zip(ids[1:], plp[1:])
+        )
+
+    with_bos = post("/tokenize", {"prompt": PROMPT})["tokens"]
+    without = post("/tokenize", {"prompt": PROMPT, "add_special_tokens": False})["tokens"]
+    assert with_bos == [0, *without]  # <|endoftext|> is token 0
+    assert prompted_with("/v1/completions", {"prompt": PROMPT}, with_bos)
+    assert prompted_with("/v1/completions", {"prompt": PROMPT, "add_special_tokens": False},
+                         without)  # fmt: skip
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    template = post("/tokenize", {"messages": msgs})["tokens"]
+    assert template[0] != 0
+    assert post("/tokenize", {"messages": msgs, "add_special_tokens": True})["tokens"] == [
+        0, *template]  # fmt: skip
+    assert prompted_with("/v1/chat/completions", {"messages": msgs}, template)
+    assert prompted_with("/v1/chat/completions", {"messages": msgs, "add_special_tokens": True},
+                         [0, *template])  # fmt: skip

@@ -336,11 +336,11 @@ def build_app(state: ServerState) -> Any:
             special = True if req.add_special_tokens is None else req.add_special_tokens
             ids = await sv.tokenize(req.prompt, "prompt", special)
         else:
+            # As chat renders its prompt (same template options, same tokenization).
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             gen = req.add_generation_prompt is not False
-            text, ids = await sv.render_chat(req.messages or [], gen, tools)
-            if req.add_special_tokens:
-                ids = await sv.tokenize(text, "messages", True)
+            _, ids = await sv.render_chat(req.messages or [], gen, tools, req.template_kwargs(),
+                                          bool(req.add_special_tokens))  # fmt: skip
         tok = sv.tokenizer
         strs = await sv.off_loop(tok.convert_ids_to_tokens, ids) if req.return_token_strs else None
         count, limit = len(ids), sv.max_model_len

@@ -22,7 +22,7 @@ BEAM_FIELDS = frozenset(
     ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
      "use_beam_search", "length_penalty", "ignore_eos", "skip_special_tokens", "user",
      "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-     "truncate_prompt_tokens", "spaces_between_special_tokens")
+     "truncate_prompt_tokens", "spaces_between_special_tokens", "add_special_tokens")
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -31,6 +32,17 @@ MAX_ALLOWED_IDS = 1 << 20  # allowed_token_ids entries
 MAX_TOP_K = 2**31 - 1  # larger values would overflow the sampler's int64 tensors
 TokenId = Annotated[StrictInt, Field(ge=0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # n > 1: sample i uses seed + i
+
+
+def _keep_count(k: int) -> int:
+    if k == 0:
+        raise ValueError("must be -1 or a positive integer")
+    return k
+
+
+# vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1: the model's maximum
+# context length (as on /v1/embeddings). Resolved by serving_completion.truncation.
+TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_keep_count)]
 
 
 def type_tag(v: Any, kind: str, default: str | None = None) -> str | None:
@@ -268,7 +280,8 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # keep the n most likely of best_of
     suffix: str | None = None  # refused: no fill-in-the-middle template
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # keep the last k (-1: all fit)
+    add_special_tokens: bool = True  # vLLM's: string prompts get the tokenizer's BOS etc.
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None = None
@@ -412,9 +425,12 @@ class ChatTemplateOptions(OpenAIModel):
     # Variables for the server's chat template (e.g. enable_thinking): data, never a template.
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
 
+    def _adds_generation_prompt(self) -> bool:
+        return bool(getattr(self, "add_generation_prompt", False))
+
     @model_validator(mode="after")
     def _template_options(self) -> ChatTemplateOptions:
-        if self.continue_final_message and getattr(self, "add_generation_prompt", False):
+        if self.continue_final_message and self._adds_generation_prompt():
             raise ValueError(
                 "continue_final_message: cannot be used with add_generation_prompt; "
                 "set add_generation_prompt to false"
@@ -446,7 +462,12 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = True  # false: at most one call
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's; not with stream
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the rendered prompt's last k
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # the rendered prompt's last k
+    # vLLM's: the tokenizer's special tokens (BOS, ...) on top of the template's (default: not)
+    add_special_tokens: bool = False
+    # vLLM's: the last message's content (when it is the assistant's, the reply's role) before
+    # the reply's content; streamed as the first content delta
+    echo: bool = False
     # vLLM's: at most this many tokens of reasoning, then the reasoning parser's end marker is
     # forced (needs --reasoning-parser).
     thinking_token_budget: int | None = Field(None, ge=0)
@@ -489,9 +510,10 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-class TokenizeRequest(RequestBody):
-    """vLLM's /tokenize: either `prompt` or chat `messages`. Our own route: unknown fields
-    are refused (a typo gets a 400 rather than a silent default)."""
+class TokenizeRequest(RequestBody, ChatTemplateOptions):
+    """vLLM's /tokenize: either `prompt` or chat `messages` (rendered as chat renders them:
+    continue_final_message, chat_template_kwargs). Our own route: unknown fields are refused
+    (a typo gets a 400 rather than a silent default)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -508,10 +530,16 @@ class TokenizeRequest(RequestBody):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if self.prompt is not None:  # what only a chat template reads: not silently dropped
-            for name in ("tools", "add_generation_prompt"):
+            for name in ("tools", "add_generation_prompt", "chat_template_kwargs"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: applies to messages only, not to prompt")
+            if self.continue_final_message:
+                raise ValueError("continue_final_message: applies to messages only, not to prompt")
         return self
+
+    def _adds_generation_prompt(self) -> bool:
+        """Unset: true with messages (as chat's default)."""
+        return self.messages is not None and self.add_generation_prompt is not False
 
 
 class DetokenizeRequest(RequestBody):

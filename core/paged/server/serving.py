@@ -297,8 +297,10 @@ class Serving:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
-        """`template_kwargs`: data for the template (continue_final_message, enable_thinking)."""
+        """`template_kwargs`: data for the template (continue_final_message, enable_thinking).
+        `add_special_tokens`: the tokenizer's (BOS, ...) on top of the template's (vLLM's)."""
         tok = self.need_tokenizer("messages")
         if len(messages) > self.max_model_len:
             msg = (
@@ -311,7 +313,7 @@ class Serving:
         except ValueError as e:
             raise bad_request(e) from None
         self.check_chars(sum(m.text_length() for m in messages), "messages")
-        args = (tok, conv, add_generation_prompt, tools, template_kwargs)
+        args = (tok, conv, add_generation_prompt, tools, template_kwargs, add_special_tokens)
         return await self.off_loop(self._render, *args)
 
     def _render(
@@ -321,6 +323,7 @@ class Serving:
         add_generation_prompt: bool,
         tools: list | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ):
         from paged.engine.chat_render import apply_chat_template  # tools the template drops
 
@@ -339,7 +342,7 @@ class Serving:
             msg = f"messages: cannot apply the chat template: {msg}"
             raise APIError(400, msg, "messages") from None
         self.check_chars(len(text), "messages")
-        return text, tok(text, add_special_tokens=False).input_ids
+        return text, tok(text, add_special_tokens=add_special_tokens).input_ids
 
     # ---- generation --------------------------------------------------------------------
     async def generate(self, request_id: str, prompts: list[Prompt]) -> Updates:

@@ -28,6 +28,7 @@ from paged.server.serving import (
     structured_field,
     usage,
 )
+from paged.server.serving_completion import truncate, truncation
 
 
 async def create_chat_completion(
@@ -45,21 +46,18 @@ async def create_chat_completion(
     if req.prompt_logprobs is not None and req.stream:
         msg = "prompt_logprobs: not supported with stream on chat completions"
         raise APIError(400, msg, "prompt_logprobs")
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > sv.max_model_len:
-        msg = (
-            f"truncate_prompt_tokens: {req.truncate_prompt_tokens} is more than the model's "
-            f"maximum context length ({sv.max_model_len} tokens)"
-        )
-        raise APIError(400, msg, "truncate_prompt_tokens")
+    keep = truncation(sv, req.truncate_prompt_tokens)
     params = sv.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     text, ids = await sv.render_chat(
-        req.messages, req.add_generation_prompt, req.tool_dicts(), req.template_kwargs()
+        req.messages,
+        req.add_generation_prompt,
+        req.tool_dicts(),
+        req.template_kwargs(),
+        req.add_special_tokens,
     )
     parsing = ChatParsing(sv.parsing, req, text)
     params = _adjust(sv, req, parsing, params)
-    keep = req.truncate_prompt_tokens
-    if keep is not None and len(ids) > keep:  # the rendered prompt's last `keep` tokens
-        ids, text = ids[-keep:], None
+    text, ids = truncate(text, ids, keep)  # the rendered prompt's last `keep` tokens
     prompt = sv.fit(text, ids, params, "messages", constraint_field(req, params))
     rid = new_id("chatcmpl")
     if req.use_beam_search:  # n best beams (server/beam.py)
@@ -135,6 +133,20 @@ def _joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _echoed(req: Any) -> str:
+    """vLLM's chat `echo`: the content of the last message if it has the reply's role (the
+    assistant's: a prefix the reply continues, with continue_final_message), else nothing.
+    Text parts are joined as the template receives them."""
+    if not getattr(req, "echo", False):
+        return ""
+    last = req.messages[-1]
+    if last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.text or "" for p in last.content)
+    return last.content or ""
+
+
 def _head(sv: Serving, rid: str, obj: str) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": sv.model_name}
 
@@ -157,6 +169,7 @@ async def _full(
     except Exception as e:
         raise api_error(e) from None
     k = req.top_logprobs or 0
+    echo = _echoed(req)
     choices = []
     for i, st in sorted(states.items()):
         message, reason = {"role": "assistant", "content": st.out.text}, st.out.finish_reason
@@ -164,6 +177,8 @@ async def _full(
             message, called = _message(parsing, st.out.text, reason == "length")
             if reason != "length":  # as OpenAI: a cut output says so, calls or not
                 reason = parsing.finish_reason(called, reason)
+        if echo:  # as vLLM: the echoed content, then the reply's
+            message["content"] = echo + (message.get("content") or "")
         lps = None
         if req.logprobs:
             lps = chat_logprobs(sv.tokenizer, k, st.out.token_ids, st.out.logprobs or [])
@@ -213,11 +228,14 @@ async def _stream(
     completion, cached = 0, 0
     started: set[int] = set()
     streams: dict[int, ChatStreamer] = {}
+    echo = _echoed(req)
     try:
         async for _, u in updates or sv.generate(rid, [prompt]):
             if u.index not in started:  # the role with the first token, as vLLM sends it
                 started.add(u.index)
                 yield chunk(u.index, {"role": "assistant", "content": ""})
+                if echo:  # as vLLM: the echoed content in the delta after the role's
+                    yield chunk(u.index, {"content": echo})
             eo = u.output
             kept = u.state.kept  # a stop string inside several new tokens ends them there
             completion += kept

@@ -46,24 +46,17 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
     if len(raw) * params.num_sequences > MAX_SEQUENCES:
         msg = f"prompt: at most {MAX_SEQUENCES} sequences (prompts x n) per request"
         raise APIError(400, msg, "prompt")
-    keep = req.truncate_prompt_tokens
-    if keep is not None and keep > sv.max_model_len:
-        msg = (
-            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
-            f"({sv.max_model_len} tokens)"
-        )
-        raise APIError(400, msg, "truncate_prompt_tokens")
+    keep = truncation(sv, req.truncate_prompt_tokens)
     prompts = []
     for p in raw:
         text = p if isinstance(p, str) else None
         if isinstance(p, str):
             if not p:
                 raise APIError(400, "prompt: must not be empty", "prompt")
-            ids = await sv.tokenize(p, "prompt")
+            ids = await sv.tokenize(p, "prompt", req.add_special_tokens)
         else:
             ids = list(p)
-        if keep is not None and len(ids) > keep:  # the last `keep` tokens: text from those
-            ids, text = ids[-keep:], None
+        text, ids = truncate(text, ids, keep)
         prompts.append(sv.fit(text, ids, params, "prompt", constraint))
     rid = new_id("cmpl")
     if req.use_beam_search:
@@ -72,6 +65,29 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
         updates = await sv.stream(rid, prompts)
         return SSEResponse(_stream(sv, req, rid, prompts, updates))
     return await _full(sv, req, rid, prompts)
+
+
+def truncation(sv: Serving, keep: int | None) -> int | None:
+    """truncate_prompt_tokens (completions and chat) as the number of prompt tokens kept: -1
+    is the model's maximum context length (as on /v1/embeddings; such a prompt leaves no room
+    for the output, and Serving.fit refuses it naming the prompt's field), more than that a
+    400."""
+    if keep == -1:
+        return sv.max_model_len
+    if keep is not None and keep > sv.max_model_len:
+        msg = (
+            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
+            f"({sv.max_model_len} tokens)"
+        )
+        raise APIError(400, msg, "truncate_prompt_tokens")
+    return keep
+
+
+def truncate(text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+    """The prompt's last `keep` tokens (left truncation, as vLLM's), its text then unknown."""
+    if keep is not None and len(ids) > keep:
+        return None, ids[-keep:]
+    return text, ids
 
 
 async def _beam(
