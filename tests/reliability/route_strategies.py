@@ -137,8 +137,8 @@ chat = with_constraint(st.fixed_dictionaries(
         "thinking_token_budget": field(st.integers(0, 5)),
         "prompt_logprobs": field(st.integers(0, 3)), "logprobs": booleans,
         "top_logprobs": field(st.integers(0, 3)),
-        "truncate_prompt_tokens": field(st.integers(1, 9)),
-        "temperature": field(st.floats(0, 2)),
+        "truncate_prompt_tokens": field(st.integers(-2, 9)),
+        "temperature": field(st.floats(0, 2)), "echo": booleans, "add_special_tokens": booleans,
     },
 ))  # fmt: skip
 usage = st.fixed_dictionaries(
@@ -151,7 +151,8 @@ completion = with_constraint(st.fixed_dictionaries(
         "best_of": field(st.integers(1, 3)), "use_beam_search": booleans,
         "length_penalty": field(st.floats(-2, 2)), "prompt_logprobs": field(st.integers(0, 3)),
         "echo": booleans, "logprobs": field(st.integers(0, 3)),
-        "truncate_prompt_tokens": field(st.integers(1, 9)), "temperature": field(st.floats(0, 2)),
+        "truncate_prompt_tokens": field(st.integers(-2, 9)), "temperature": field(st.floats(0, 2)),
+        "add_special_tokens": booleans,
     },
 ))  # fmt: skip
 
