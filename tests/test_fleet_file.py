@@ -137,10 +137,10 @@ def test_group_args_are_checked_against_the_models_config(tmp_path):
 
 
 def test_a_fleet_larger_than_the_host_is_refused(monkeypatch):
-    import paged.engine.replicas as replicas
+    import paged.engine.placement as placement
 
-    monkeypatch.setattr(replicas, "usable_cpus", lambda: [0, 1])
-    per_host = replicas.REPLICAS_PER_CORE * 2
+    monkeypatch.setattr(placement, "usable_cpus", lambda: [0, 1])
+    per_host = placement.REPLICAS_PER_CORE * 2
     text = f"replicas:\n  - {{platform: cpu, count: {per_host}}}\n"
     fleet = parse_fleet(text)
     check_size(fleet, group_configs(fleet, EngineConfig()))  # oversubscribed, unpinned: runs

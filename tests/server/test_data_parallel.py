@@ -23,7 +23,8 @@ import rel
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged.config import EngineConfig
-from paged.engine.replicas import Replica, ReplicaSet, make_engine, placements
+from paged.engine.placement import placements
+from paged.engine.replicas import Replica, ReplicaSet, make_engine
 
 ARGS = ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--dtype", "float32"]
 PROMPTS = ["Hello, my name is", "The capital of France is", "1 2 3 4 5", "Once upon a time"]

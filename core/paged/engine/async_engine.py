@@ -80,7 +80,7 @@ def _core_main(
     placement: Any = None,
 ) -> None:
     """placement: None, or an object whose apply() runs first (a replica's share of the
-    host: paged.engine.replicas.Placement). parent: the server's pid, or None in a Ray actor
+    host: paged.engine.placement.Placement). parent: the server's pid, or None in a Ray actor
     (which Ray ends with its owner, the server: paged.engine.ray_replicas)."""
     logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
     if parent is not None:

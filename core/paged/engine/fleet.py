@@ -256,9 +256,9 @@ def check_groups(fleet: Fleet, configs: list[EngineConfig], check: Any) -> None:
 
 def check_size(fleet: Fleet, configs: list[EngineConfig]) -> None:
     """FleetError when the fleet's replicas cannot all run on this host
-    (replicas.check_local_replicas: too many per core, or more devices than it shows), at
+    (placement.check_local_replicas: too many per core, or more devices than it shows), at
     the count of the group that overflows."""
-    from paged.engine.replicas import check_local_replicas
+    from paged.engine.placement import check_local_replicas
 
     groups: list[tuple[str | None, str, int, int]] = []
     k = 0
@@ -323,7 +323,7 @@ def build_fleet(
     ray_address: str | None = None,
 ) -> Any:
     """The fleet's ReplicaSet (not started): replicas in file order, each on this host's
-    next share of the cores (replicas.placements over all of them) and, for device platforms,
+    next share of the cores (placement.placements over all of them) and, for device platforms,
     its next world_size devices; with ray_address, each in a Ray actor on a node that
     advertises its platform (paged.engine.ray_replicas). FleetError when the Ray cluster
     cannot be reached or no node has a group's platform."""
@@ -345,7 +345,8 @@ def _local_fleet(
     router: str,
 ) -> Any:
     from paged.engine.async_engine import AsyncEngine
-    from paged.engine.replicas import DEVICE_VARS, Replica, ReplicaSet, placements
+    from paged.engine.placement import DEVICE_VARS, placements
+    from paged.engine.replicas import Replica, ReplicaSet
 
     shares = placements(base, len(configs))
     used = 0  # devices handed out so far, in order of the visible ones
@@ -386,7 +387,8 @@ def _ray_fleet(
     address: str,
 ) -> Any:
     from paged.engine import ray_replicas as rr
-    from paged.engine.replicas import Placement, Replica, ReplicaSet
+    from paged.engine.placement import Placement
+    from paged.engine.replicas import Replica, ReplicaSet
 
     try:
         rr.connect(address)

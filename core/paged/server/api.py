@@ -201,7 +201,7 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         log.error("--ray-address places the replicas of a --fleet file (docs/fleet.md)")
         return 2
     elif config.data_parallel_size > 1:
-        from paged.engine.replicas import check_local_replicas
+        from paged.engine.placement import check_local_replicas
 
         try:  # before anything starts: a count this host cannot run is refused at once
             kind = _device_type(config.platform)
