@@ -131,6 +131,29 @@ def as_sent(e: ValueError, constraint: str | None) -> APIError:
     return err
 
 
+def truncation(sv: Serving, keep: int | None) -> int | None:
+    """truncate_prompt_tokens (completions and chat) as the number of prompt tokens kept: -1
+    is the model's maximum context length (as on /v1/embeddings; such a prompt leaves no room
+    for the output, and Serving.fit refuses it naming the prompt's field), more than that a
+    400."""
+    if keep == -1:
+        return sv.max_model_len
+    if keep is not None and keep > sv.max_model_len:
+        msg = (
+            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
+            f"({sv.max_model_len} tokens)"
+        )
+        raise APIError(400, msg, "truncate_prompt_tokens")
+    return keep
+
+
+def truncate(text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
+    """The prompt's last `keep` tokens (left truncation, as vLLM's), its text then unknown."""
+    if keep is not None and len(ids) > keep:
+        return None, ids[-keep:]
+    return text, ids
+
+
 @dataclasses.dataclass
 class Prompt:
     text: str | None

@@ -26,9 +26,10 @@ from paged.server.serving import (
     sse,
     sse_error,
     structured_field,
+    truncate,
+    truncation,
     usage,
 )
-from paged.server.serving_completion import truncate, truncation
 
 
 async def create_chat_completion(

@@ -22,6 +22,8 @@ from paged.server.serving import (
     new_id,
     sse,
     sse_error,
+    truncate,
+    truncation,
     usage,
 )
 
@@ -65,29 +67,6 @@ async def create_completion(sv: Serving, req: CompletionRequest) -> dict[str, An
         updates = await sv.stream(rid, prompts)
         return SSEResponse(_stream(sv, req, rid, prompts, updates))
     return await _full(sv, req, rid, prompts)
-
-
-def truncation(sv: Serving, keep: int | None) -> int | None:
-    """truncate_prompt_tokens (completions and chat) as the number of prompt tokens kept: -1
-    is the model's maximum context length (as on /v1/embeddings; such a prompt leaves no room
-    for the output, and Serving.fit refuses it naming the prompt's field), more than that a
-    400."""
-    if keep == -1:
-        return sv.max_model_len
-    if keep is not None and keep > sv.max_model_len:
-        msg = (
-            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
-            f"({sv.max_model_len} tokens)"
-        )
-        raise APIError(400, msg, "truncate_prompt_tokens")
-    return keep
-
-
-def truncate(text: str | None, ids: list[int], keep: int | None) -> tuple[str | None, list[int]]:
-    """The prompt's last `keep` tokens (left truncation, as vLLM's), its text then unknown."""
-    if keep is not None and len(ids) > keep:
-        return None, ids[-keep:]
-    return text, ids
 
 
 async def _beam(

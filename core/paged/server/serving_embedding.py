@@ -17,7 +17,7 @@ from paged.pooling_params import PoolingParams
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
 from paged.server.protocol import RequestBody
-from paged.server.serving import CURRENT_USER, Prompt, Serving, api_error, new_id
+from paged.server.serving import CURRENT_USER, Prompt, Serving, api_error, new_id, truncation
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -87,13 +87,7 @@ async def _prompt(sv: Serving, item: str | list[int], params, special: bool) -> 
         if not ids:
             raise APIError(400, "input: must not be empty", "input")
     sv.check_ids(ids, "input")
-    limit, keep = sv.max_model_len, params.pooling.truncate_prompt_tokens
-    if keep is not None and keep > limit:
-        msg = (
-            f"truncate_prompt_tokens: {keep} is more than the model's maximum context length "
-            f"({limit} tokens)"
-        )
-        raise APIError(400, msg, "truncate_prompt_tokens")
+    limit, keep = sv.max_model_len, truncation(sv, params.pooling.truncate_prompt_tokens)
     if keep is None and len(ids) > limit:
         msg = (
             f"input: this model's maximum context length is {limit} tokens, but an input has "
