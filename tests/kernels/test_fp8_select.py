@@ -35,6 +35,17 @@ def test_candidates_fill_the_gpu_with_whole_slices_that_fit(n, k, sms, smem):
         assert got
 
 
+@pytest.mark.parametrize("sms, smem", [H200, (84, 101376)])
+def test_one_slice_tiles_only_where_the_output_blocks_fill_the_gpu(sms, smem):
+    for n, k in LLAMA_8B:
+        got = fp8_select.one_slice(n, k, sms, smem)
+        assert len(got) == len(set(got))
+        for block_n, block_k, split, _, stages in got:
+            assert split == 1 and triton.cdiv(n, block_n) >= sms and block_k <= k
+            assert 1 <= stages <= 4 and stages * (block_n + 16) * block_k <= smem - 8192
+        assert bool(got) == (triton.cdiv(n, 64) >= sms)  # on an H200 gate/up alone
+
+
 def test_stages_follow_the_steps_and_the_shared_memory():
     assert fp8_select.stages_for(64, 512, 8, 232448) == 4
     assert fp8_select.stages_for(64, 512, 2, 232448) == 2  # no more stages than steps

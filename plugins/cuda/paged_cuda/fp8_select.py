@@ -1,18 +1,18 @@
 """Measured config for fp8 linears at one to four rows (decode with `--quantization fp8`).
 
-Those run paged's tensor-core fp8 GEMV (paged.kernels.gemv.fp8_gemv_dot): one program per
-64 output rows over the whole K, so a projection with few output rows leaves SMs idle
+Those run paged's tensor-core fp8 GEMV (paged.kernels.gemv.fp8_gemv_dot): one program per 64
+output rows over the whole K, so a projection with few output rows leaves SMs idle
 (Llama-3.1-8B's o_proj and down: 64 programs on an H200's 132 SMs). At start-up, for each
-per-channel fp8 weight shape among the model's linears, the unsplit kernel (its own config)
-and the split-K kernel (paged.kernels.fp8_gemv: its unsplit tile, and K split under a few
-configurations) are timed at one row, each in a CUDA graph over every weight of that shape
-(so they come from HBM, as in a decode step). A shape whose linears follow a residual add and
-RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own kernel before the
-unsplit GEMV, against the split kernel with the op folded in (every program computes it and
-the token's scale over the whole row), and against the op's own kernel writing the rows'
-absmax for the split kernel (paged.kernels.fused), as gemv_select times 16-bit linears. A
-shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN runs it
-for inputs of up to four rows. More rows keep the platform's fp8 linear.
+per-channel fp8 weight shape among the model's linears, the unsplit kernel (its own config) and
+the split-K kernel (paged.kernels.fp8_gemv: the unsplit kernel's tile and a few others unsplit,
+and K split under a few configurations) are timed at one row, each in a CUDA graph over every
+weight of that shape (so they come from HBM, as in a decode step). A shape whose linears follow
+a residual add and RMSNorm (QKV, gate/up) or SiLU-and-mul (down) is timed with that op: its own
+kernel before the unsplit GEMV, against the split kernel with the op folded in (every program
+computes it and the token's scale over the whole row), and against the op's own kernel writing
+the rows' absmax for the split kernel (paged.kernels.fused), as gemv_select times 16-bit
+linears. A shape whose best split-kernel config beats the unsplit kernel by gemv_select.MARGIN
+runs it for inputs of up to four rows. More rows keep the platform's fp8 linear.
 """
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ def candidates(n: int, k: int, sms: int, smem: int) -> list[Config]:
     return out
 
 
+def one_slice(n: int, k: int, sms: int, smem: int) -> list[Config]:
+    """Unsplit tiles on the split kernel (SPLIT 1) for weights with enough output blocks to
+    fill the SMs: its first weight tiles load before the PDL wait, which the unsplit
+    kernel's do not (gate/up on an H100: 2,743 GB/s against 2,602 on the same tile)."""
+    out = []
+    for block_n, block_k in ((64, 512), (128, 256), (64, 256)):
+        if triton.cdiv(n, block_n) < sms or block_k > k:
+            continue
+        most = stages_for(block_n, block_k, triton.cdiv(k, block_k), smem)
+        out += [(block_n, block_k, 1, 4, s) for s in sorted({min(3, most), most})]
+    return out
+
+
 def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     """The model's fp8 linears with per-channel scales on the GPU, by weight shape (n, k)."""
     from paged.quantization.base import QuantLinear
@@ -104,7 +117,9 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         after a norm or SiLU-and-mul each also with the op's kernel writing the rows' absmax
         (Fp8SplitGemv's rows "amax")."""
         block_n, block_k, warps, stages = dot_config(n, k, device)
-        tiles = [(block_n, block_k, 1, warps, stages), *candidates(n, k, sms, smem)]
+        unsplit = (block_n, block_k, 1, warps, stages)
+        tiles = [unsplit, *(c for c in one_slice(n, k, sms, smem) if c != unsplit),
+                 *candidates(n, k, sms, smem)]  # fmt: skip
         rows = ["fold", "amax"] if (n, k) in amax_shapes else ["fold"]
         return [(c, r) for r in rows for c in tiles]
 
