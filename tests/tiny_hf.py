@@ -37,6 +37,18 @@ def make_tiny(kind: str, path: str, seed: int = 0, **changes) -> str:
     return path
 
 
+def llama_with_tokenizer(path: str, tok) -> str:
+    """A tiny random Llama (TINY's sizes, seed 0, torch's initial weights) over `tok`'s
+    vocabulary, saved with `tok` (e.g. the default model's tokenizer and chat template)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(**{**TINY, "vocab_size": len(tok)}, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
 def spread_weights(model: torch.nn.Module) -> None:
     """Every matrix drawn again from N(0, 0.2) (torch's global generator): a freshly
     initialised model's weights are small and its logits flat; larger ones keep greedy

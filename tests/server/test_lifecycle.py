@@ -14,20 +14,12 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A 2-layer random Llama that uses the default model's tokenizer (and chat template)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_hf import llama_with_tokenizer
 
     from paged.model.loader import load_tokenizer, resolve_model
 
     path = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-    tok = load_tokenizer(resolve_model(None))
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tok),
-                      max_position_embeddings=512, eos_token_id=tok.eos_token_id)  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return llama_with_tokenizer(path, load_tokenizer(resolve_model(None)))
 
 
 TINY_ARGS = ["--max-model-len", "256", "--kv-cache-memory", "16MiB"]
