@@ -1,5 +1,8 @@
 #include "ops.h"
 
+#include <pybind11/stl.h>  // std::optional arguments
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from Python
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "write K/V to the paged cache, decode attention");
   m.def("paged_decode_fp8", &paged_decode_fp8,
