@@ -80,6 +80,7 @@ def test_parallel_matches_one_rank(tiny_models, mqa_model, model, tp, pp):
     assert_same(got, ref)
 
 
+@pytest.mark.slow  # 19 s, two ranks of the default model (tiny models above): with the long checks
 def test_default_model_tensor_parallel(default_model_path, smollm):
     kw = dict(dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
     outs = smollm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)

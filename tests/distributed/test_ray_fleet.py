@@ -86,6 +86,7 @@ def complete(srv, prompt: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow  # a two-node Ray cluster (30 s to start on two cores): with the long checks
 def test_replicas_land_on_the_node_with_their_platform_and_serve(cluster, tiny, server):
     from paged import LLM, SamplingParams
 
@@ -101,6 +102,7 @@ def test_replicas_land_on_the_node_with_their_platform_and_serve(cluster, tiny, 
             assert complete(server, p) == want.outputs[0].text
 
 
+@pytest.mark.slow  # a two-node Ray cluster (30 s to start on two cores): with the long checks
 def test_a_killed_replica_actor_is_replaced_by_a_new_one(cluster, server):
     old = view(server)["replicas"][0]
     os.kill(old["pid"], signal.SIGKILL)  # the actor's process (this machine: logical nodes)
@@ -116,6 +118,7 @@ def test_a_killed_replica_actor_is_replaced_by_a_new_one(cluster, server):
         assert complete(server, p)
 
 
+@pytest.mark.slow  # a two-node Ray cluster (30 s to start on two cores): with the long checks
 def test_a_platform_no_node_advertises_is_refused(cluster, tiny):
     from paged.config import EngineConfig
     from paged.engine.fleet import FleetError, build_fleet, parse_fleet

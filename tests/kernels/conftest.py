@@ -19,6 +19,27 @@ if str(_CORE) not in sys.path:
     sys.path.insert(0, str(_CORE))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under the interpreter, the bfloat16 half of a kernel test run in both float32 and
+    bfloat16 joins the long checks (`make test-slow`, which CI runs too): `make test` keeps
+    the float32 half and every test with no such pair. On a GPU both halves run as asked."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import torch
+
+    here = Path(__file__).parent
+
+    def dtypes(item: pytest.Item) -> set:
+        spec = getattr(item, "callspec", None)
+        return {v for v in spec.params.values() if isinstance(v, torch.dtype)} if spec else set()
+
+    ours = [i for i in items if i.path.is_relative_to(here)]
+    paired = {(i.path, i.originalname) for i in ours if torch.float32 in dtypes(i)}
+    for item in ours:
+        if torch.bfloat16 in dtypes(item) and (item.path, item.originalname) in paired:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def interpreter_only() -> None:
     """Tests that run the Triton kernels on CPU tensors (the engine on the cpu platform with

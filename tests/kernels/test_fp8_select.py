@@ -111,6 +111,7 @@ def test_only_per_channel_fp8_linears_on_the_gpu_are_timed(monkeypatch):
     assert got == {(32, 64): [model.a, model.b], (48, 64): [model.c]}
 
 
+@pytest.mark.slow  # 37 s: interpreted Triton through the engine, with the long checks
 def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, interpreter_only):
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
     shape): the decode rows run it (the prefill's rows the fp8 GEMM), with every residual add

@@ -77,6 +77,7 @@ def every_linear_on_the_gemv(engines_on) -> None:
     engines_on(AllGemv())
 
 
+@pytest.mark.slow  # 16 s: interpreted Triton through the engine, with the long checks
 def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, engines_on, interpreter_only):
     """Every linear on the one-row GEMV (as if start-up timing chose it everywhere): decode
     steps run each residual add and RMSNorm inside the next projection's GEMV (QKV, gate/up)
@@ -121,6 +122,7 @@ def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):
     assert gemv_select.gated_linears(model) == downs
 
 
+@pytest.mark.slow  # 15 s: interpreted Triton through the engine, with the long checks
 def test_the_moe_norm_runs_before_the_router_and_expert_gemvs(tmp_path, monkeypatch, engines_on,
                                                              interpreter_only):  # fmt: skip
     """Qwen3-MoE (layer 0 dense, layer 1 experts) with every linear on the one-row GEMV: at

@@ -6,6 +6,7 @@ logits and equal an eager engine's outputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_hf_parity import hf_greedy
 from test_spec_graphs import ReplayRunner, TritonGraphsOnCpu
@@ -14,6 +15,7 @@ from paged import LLM, SamplingParams
 from paged.worker import model_runner
 
 
+@pytest.mark.slow  # 25 s: interpreted Triton through the engine, with the long checks
 def test_decode_tail_in_graph(tiny_models, monkeypatch, engines_on, interpreter_only):
     from transformers import AutoModelForCausalLM
 
@@ -55,6 +57,7 @@ def test_decode_tail_in_graph(tiny_models, monkeypatch, engines_on, interpreter_
         assert all(abs(d[t].logprob - w[t].logprob) < 1e-5 for t in d)
 
 
+@pytest.mark.slow  # 27 s: interpreted Triton through the engine, with the long checks
 def test_sampled_decodes_draw_in_sampler_graphs(
     tiny_models, monkeypatch, engines_on, interpreter_only
 ):

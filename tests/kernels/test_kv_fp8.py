@@ -172,6 +172,7 @@ def test_scales_only_for_fp8(device):
                           device=device), torch.ones(1, device=device))  # fmt: skip
 
 
+@pytest.mark.slow  # 12 s: interpreted Triton through the engine, with the long checks
 def test_engine_long_prompt_fp8_matches_hf(tiny_models, engines_on, interpreter_only):
     """The engine on the Triton backend (interpreted) with an fp8 cache: a prompt of many
     prefill chunks, then decode; greedy tokens equal HF's with its K/V rounded through fp8."""

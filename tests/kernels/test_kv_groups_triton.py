@@ -5,6 +5,7 @@ chunked prefill, a prefix hit and decodes run; greedy tokens equal HF's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -22,6 +23,7 @@ def attention_on_triton():
     return AttentionOnTriton
 
 
+@pytest.mark.slow  # 17 s: interpreted Triton through the engine, with the long checks
 def test_groups_on_triton(tmp_path, engines_on, interpreter_only):
     from test_hf_parity import hf_greedy
     from test_kv_groups import PROMPTS, build
@@ -71,6 +73,7 @@ class ReplayGraph:
                 old.copy_(new)
 
 
+@pytest.mark.slow  # 17 s: interpreted Triton through the engine, with the long checks
 def test_group_tables_through_graph_replay(tmp_path, engines_on, interpreter_only):
     """Decode, prompt-chunk and speculative verification steps (ngram proposals) replay
     captured "graphs": each group's block tables and slots reach its static buffers (padded

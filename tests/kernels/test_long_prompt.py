@@ -27,7 +27,9 @@ class TritonOnCpu(CpuPlatform):
         pass  # plain torch linears: no CPU weight packing
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "overlap", [False, pytest.param(True, marks=pytest.mark.slow)]  # 13 s more: long checks
+)
 def test_prompt_of_many_chunks_matches_hf(tiny_models, engines_on, overlap, interpreter_only):
     from transformers import AutoModelForCausalLM
 

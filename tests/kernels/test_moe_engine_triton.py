@@ -8,9 +8,11 @@ test_moe_inline_routing.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
+@pytest.mark.slow  # 15 s: interpreted Triton through the engine, with the long checks
 def test_triton_ops_match_hf(tmp_path, monkeypatch, engines_on, interpreter_only):
     from test_hf_parity import hf_greedy
     from test_long_prompt import TritonOnCpu

@@ -6,6 +6,7 @@ eagerly, and HF's for greedy requests, with no blocks leaked."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_hf_parity import hf_greedy
 from test_spec_graphs import ReplayRunner, TritonGraphsOnCpu
@@ -13,6 +14,7 @@ from test_spec_graphs import ReplayRunner, TritonGraphsOnCpu
 from paged import LLM, SamplingParams
 
 
+@pytest.mark.slow  # 25 s: interpreted Triton through the engine, with the long checks
 def test_prefill_graphs_equal_eager_steps(tiny_models, engines_on, interpreter_only):
     from transformers import AutoModelForCausalLM
 

@@ -35,6 +35,7 @@ def test_fp8_triton_gemm_in_the_engine(tiny_models, triton_linears):
     assert prompt_logprob_drift(llm, PROMPT, hf_logprobs(path, PROMPT, fp8="channel")) < MATCH
 
 
+@pytest.mark.slow  # 22 s: interpreted Triton through the engine, with the long checks
 def test_int4_triton_linears_in_the_engine(int4_models, triton_linears):
     llm = LLM(int4_models["gptq"], dtype="float32", kv_cache_memory="16MiB")
     prompt = list(range(3, 120, 3))  # prefill (39 rows): dequantized; decode: the split GEMM
@@ -44,6 +45,7 @@ def test_int4_triton_linears_in_the_engine(int4_models, triton_linears):
     assert got == hf_greedy(hf.eval(), prompt, 4)
 
 
+@pytest.mark.slow  # 14 s: interpreted Triton through the engine, with the long checks
 def test_int4_tuned_gemm_in_the_engine(int4_models, monkeypatch, engines_on):
     """Every int4 linear on a tuned split-GEMM config (as if start-up timing chose one for every
     shape, paged_cuda.int4_select): the decode steps run it, the prefill (13 rows) the split

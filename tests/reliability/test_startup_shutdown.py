@@ -221,6 +221,7 @@ def test_engine_core_ends_with_a_killed_server(tiny_model, tmp_path):
             os.kill(core, signal.SIGKILL)
 
 
+@pytest.mark.slow  # 15 s, SIGTERM's drain again (tested above): with the long checks
 def test_sighup_drains_like_sigterm(tiny_model, tmp_path):
     srv = start_server([tiny_model, *TINY_ARGS], tmp_path / "server.log")
     try:

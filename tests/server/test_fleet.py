@@ -481,6 +481,7 @@ def test_prefix_router_keeps_a_long_shared_prefix_on_one_replica(fleet):
     assert 'platform="example",replica="2"' in text
 
 
+@pytest.mark.slow  # a second fleet (20 s): turns tested above, the flag in test_fleet_restart
 def test_round_robin_spreads_a_shared_prefix(tiny, tmp_path):
     """A second, smaller fleet (two cpu replicas) with --router round-robin."""
     path = tmp_path / "fleet.json"  # JSON is YAML too

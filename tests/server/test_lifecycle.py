@@ -44,6 +44,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_model, launch):
     assert "engine dead" in srv.log.read_text()
 
 
+@pytest.mark.slow  # 14 s; test_startup_shutdown drains a stream the same way: with the long checks
 def test_sigterm_finishes_in_flight_then_exits_zero(tiny_model, launch):
     srv = launch([tiny_model, *TINY_ARGS])
     # 240 tokens: the stream outlasts the checks below (100 took ~0.2 s, and a loaded
