@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,10 +17,18 @@ if _WORKERS > 1:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from server_helpers import server_helpers  # noqa: E402
 from tiny_hf import make_tiny  # noqa: E402
 
 if _WORKERS > 1:  # torch may have started before the variable was set
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The browser tests first: the longest module and the last by name, so that under
+    `--dist loadfile` the other worker is not left idle while they run alone at the end."""
+    ui = Path(__file__).parent / "ui"
+    items.sort(key=lambda item: not item.path.is_relative_to(ui))  # stable: else as collected
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +47,39 @@ def engines_on(monkeypatch):
             monkeypatch.setattr(f"{where}.select_platform", lambda name=None: platform)
 
     return use
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A live `python -m paged.server` on the default model (ENGINE_ARGS of
+    tests/server/conftest.py, an API key), once per worker for every module that needs no
+    flags of its own."""
+    h = server_helpers()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    # At most two stored responses: test_responses checks the bound on this server.
+    args = [*h.ENGINE_ARGS, "--max-stored-responses", "2"]
+    srv = h.start_server(args, log, {"PAGED_API_KEY": h.API_KEY})
+    yield srv
+    h.stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    """httpx on `server`, with its API key."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {server_helpers().API_KEY}"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The OpenAI SDK on `server`, with its API key."""
+    import openai
+
+    key = server_helpers().API_KEY
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")

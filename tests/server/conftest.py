@@ -83,30 +83,6 @@ def stop_server(srv: Server) -> int:
     return srv.proc.returncode
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    # At most two stored responses: test_responses checks the bound on this server.
-    args = [*ENGINE_ARGS, "--max-stored-responses", "2"]
-    srv = start_server(args, log, {"PAGED_API_KEY": API_KEY})
-    yield srv
-    stop_server(srv)
-
-
-@pytest.fixture(scope="session")
-def http(server: Server) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="session")
-def client(server: Server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
 @pytest.fixture
 def launch(tmp_path):
     """Start extra servers for one test (stopped afterwards): launch(args, env) -> Server."""

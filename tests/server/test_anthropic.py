@@ -10,7 +10,8 @@ import json
 import httpx
 import jsonschema
 import pytest
-from tool_model import TEMPLATE, TIME_TOOL, WEATHER_TOOL, chunkings, server_helpers
+from server_helpers import server_helpers
+from tool_model import TEMPLATE, TIME_TOOL, WEATHER_TOOL, chunkings
 
 KEY = "anthropic-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tool_model import MODEL_ARGS, make_tool_model, server_helpers
+from server_helpers import server_helpers
+from tool_model import MODEL_ARGS, make_tool_model
 
 from paged.engine.async_engine import RequestRecord
 from paged.engine.outputs import OutputState

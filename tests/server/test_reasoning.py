@@ -11,7 +11,8 @@ import json
 import httpx
 import jsonschema
 import pytest
-from tool_model import MODEL_ARGS, WEATHER_TOOL, make_tool_model, server_helpers
+from server_helpers import server_helpers
+from tool_model import MODEL_ARGS, WEATHER_TOOL, make_tool_model
 
 MSGS = [{"role": "user", "content": "What is 2 + 2?"}]
 SAMPLING = {"max_tokens": 30, "temperature": 1.0, "seed": 3}

@@ -9,7 +9,8 @@ import json
 import httpx
 import jsonschema
 import pytest
-from tool_model import MODEL_ARGS, TIME_TOOL, WEATHER_TOOL, make_tool_model, server_helpers
+from server_helpers import server_helpers
+from tool_model import MODEL_ARGS, TIME_TOOL, WEATHER_TOOL, make_tool_model
 
 # ---- options and request checks (no server) ------------------------------------------------
 

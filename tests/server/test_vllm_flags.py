@@ -13,8 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import server_helpers
 from tls_cert import self_signed
-from tool_model import MODEL_ARGS, make_tool_model, server_helpers
+from tool_model import MODEL_ARGS, make_tool_model
 
 KEY = "flags-key"
 ORIGIN = "http://app.example"

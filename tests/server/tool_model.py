@@ -115,21 +115,6 @@ MODEL_ARGS = [
 ]
 
 
-def server_helpers():
-    """tests/server/conftest.py as a module (start_server, stop_server) for module fixtures."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "paged_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("conftest.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 def chunkings(text: str, rounds: int = 25):
     """The text whole, a character at a time, and in random pieces (seeded by the text)."""
     rng = random.Random(text)

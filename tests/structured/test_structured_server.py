@@ -1,44 +1,18 @@
-"""Structured outputs through the OpenAI-compatible server on the default model (real JSON):
+"""Structured outputs through the OpenAI-compatible server on the default model (real JSON; the
+session's `server` and `client` of tests/conftest.py):
 response_format, vLLM's structured_outputs and guided_* fields, allowed_token_ids, bad_words,
 streamed and not, and the 400s of specs that do not parse."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 from structured_helpers import SCHEMAS, format_checked
 
-_spec = importlib.util.spec_from_file_location(
-    "paged_server_conftest", Path(__file__).parent.parent / "server" / "conftest.py"
-)
-srv_conf = importlib.util.module_from_spec(_spec)
-sys.modules["paged_server_conftest"] = srv_conf
-_spec.loader.exec_module(srv_conf)
-
 BY_NAME = {c["name"]: c for c in SCHEMAS}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = srv_conf.start_server(
-        srv_conf.ENGINE_ARGS, tmp_path_factory.mktemp("structured") / "server.log"
-    )
-    yield srv
-    srv_conf.stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def ask(name: str) -> list[dict]:
@@ -123,9 +97,9 @@ def test_chat_json_object(client):
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
-def test_allowed_token_ids_and_bad_words(server, client):
-    tok = httpx.post(
-        server.url + "/tokenize", json={"prompt": " yes no", "add_special_tokens": False}
+def test_allowed_token_ids_and_bad_words(http, client):
+    tok = http.post(
+        "/tokenize", json={"prompt": " yes no", "add_special_tokens": False}
     )
     allowed = tok.json()["tokens"]
     r = client.completions.create(
@@ -197,23 +171,23 @@ BAD = [
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_invalid_specs_are_400s_naming_the_field(server, route):
+def test_invalid_specs_are_400s_naming_the_field(http, route):
     base = {"max_tokens": 4}
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     base |= chat if "chat" in route else {"prompt": "hi"}
     for body, field in BAD:
-        r = httpx.post(server.url + route, json=base | body, timeout=60)
+        r = http.post(route, json=base | body, timeout=60)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
         assert err["param"] == field, (body, err)
     # The engine lives on.
-    r = httpx.post(server.url + route, json=base | {"guided_choice": ["fine"]}, timeout=60)
+    r = http.post(route, json=base | {"guided_choice": ["fine"]}, timeout=60)
     assert r.status_code == 200
 
 
-def test_a_constraint_no_token_can_meet_is_a_client_error_in_a_stream(server):
+def test_a_constraint_no_token_can_meet_is_a_client_error_in_a_stream(http):
     body = {"prompt": "hi", "max_tokens": 4, "guided_regex": "ok\x16", "stream": True}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    r = http.post("/v1/completions", json=body, timeout=60)
     events = [json.loads(ln[6:]) for ln in r.text.splitlines()[:-1] if ln.startswith("data: {")]
     err = events[-1]["error"]  # after "ok": no token produces the byte 0x16
     assert r.status_code == 200 and err["type"] == "invalid_request_error", events

@@ -9,17 +9,16 @@ PAGED_UI_SCREENSHOT=docs/img/chat-page.png refreshes the screenshot of docs/chat
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prefix_proxy import prefix_proxy
+from server_helpers import server_helpers
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
@@ -48,18 +47,6 @@ const el = [...document.querySelectorAll('.msg.assistant')].pop();
 return el ? [el.dataset.state, +el.dataset.deltas, el.querySelector('.body').innerText,
              el.querySelector('.meta').innerText] : null;
 """
-
-
-def server_helpers():
-    """tests/server/conftest.py as a module (start_server, stop_server, ENGINE_ARGS)."""
-    name = "paged_server_conftest"  # the name tests/server/tool_model.py loads it under
-    if name not in sys.modules:
-        path = Path(__file__).parents[1] / "server" / "conftest.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
