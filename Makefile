@@ -33,8 +33,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[docs]'
 	touch $@
 
-# The suite without the soak runs (marked slow), on two workers, a module's tests on one (they
-# share its servers and engines); test-slow runs those (CI runs both).
+# The suite without the soak runs and long checks (marked slow), on two workers, a module's
+# tests on one (they share its servers and engines); test-slow runs those (CI runs both).
 test: $(VENV)/.test-installed
 	bash ci/test.sh -m "not slow" -n 2 --dist loadfile
 
