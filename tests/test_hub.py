@@ -158,6 +158,7 @@ def test_llm_loads_the_revision(offline, tiny_models):
     assert hub_out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
 
 
+@pytest.mark.slow  # 16 s, a server start: the offline hub id is resolved above, in process
 def test_paged_serve_hub_id_offline(offline, tmp_path):
     """`paged serve org/tiny` in a fresh process, offline, from the fake cache."""
     import socket

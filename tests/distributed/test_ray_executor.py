@@ -9,6 +9,8 @@ import time
 import pytest
 
 ray = pytest.importorskip("ray")
+# A two-node local Ray cluster (30-40 s on two cores): with the long checks (CI runs them).
+pytestmark = pytest.mark.slow
 
 from dist_helpers import generate_then_kill  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
