@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 from dist_helpers import TESTS, load_module
+from server_helpers import server_helpers
 
-helpers = load_module("paged_dist_server_helpers", TESTS / "server" / "conftest.py")
+helpers = server_helpers()
 rel = load_module(
     "paged_dist_reliability_helpers", TESTS / "reliability" / "reliability_helpers.py"
 )

@@ -5,22 +5,15 @@ refuses completions."""
 from __future__ import annotations
 
 import base64
-import importlib.util
-import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 from emb_helpers import hf_pooled, prompts
+from server_helpers import server_helpers
 
-_spec = importlib.util.spec_from_file_location(
-    "paged_server_conftest", Path(__file__).parent.parent / "server" / "conftest.py"
-)
-srv_conf = importlib.util.module_from_spec(_spec)
-sys.modules["paged_server_conftest"] = srv_conf
-_spec.loader.exec_module(srv_conf)
+srv_conf = server_helpers()
 
 ARGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "32"]
 

@@ -1,27 +1,21 @@
 """Helpers the reliability tests share (imported by name: pytest puts this folder on sys.path).
 
 Server helpers (start_server, stop_server, Server) come from tests/server/conftest.py, loaded
-by path so that the test folders need no package layout.
+by path (tests/server_helpers.py) so that the test folders need no package layout.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from server_helpers import server_helpers
 from tiny_hf import spread_weights
 
-_spec = importlib.util.spec_from_file_location(
-    "paged_server_test_helpers", Path(__file__).parent.parent / "server" / "conftest.py"
-)
-helpers = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = helpers  # dataclasses look their module up by name
-_spec.loader.exec_module(helpers)
+helpers = server_helpers()
 Server, stop_server = helpers.Server, helpers.stop_server
 # OpenMP threads that spin while waiting make every step 3-6x slower when another process
 # competes for the 2 cores of a shared runner (a 500-client round: 84 s instead of 26 s).
