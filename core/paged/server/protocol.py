@@ -41,7 +41,7 @@ def _keep_count(k: int) -> int:
 
 
 # vLLM's truncate_prompt_tokens: keep the prompt's last k tokens; -1: the model's maximum
-# context length (as on /v1/embeddings). Resolved by serving_completion.truncation.
+# context length. Completions, chat and embeddings; resolved by serving.truncation.
 TruncatePromptTokens = Annotated[int, Field(ge=-1), AfterValidator(_keep_count)]
 
 

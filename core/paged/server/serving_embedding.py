@@ -16,7 +16,7 @@ from paged.engine.pooling import embedding_params
 from paged.pooling_params import PoolingParams
 from paged.server.errors import APIError, bad_request
 from paged.server.lora_adapters import CURRENT as CURRENT_LORA
-from paged.server.protocol import RequestBody
+from paged.server.protocol import RequestBody, TruncatePromptTokens
 from paged.server.serving import CURRENT_USER, Prompt, Serving, api_error, new_id, truncation
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -30,7 +30,7 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # Matryoshka models only
     user: str | None = Field(None, max_length=256)  # named in the request log and trace
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM: keep the last k (-1: all fit)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM: the last k (-1: all fit)
     normalize: bool | None = None  # vLLM: None is the model's default
     add_special_tokens: bool = True  # vLLM: for string inputs
 
