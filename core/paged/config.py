@@ -120,6 +120,11 @@ class EngineConfig:
         "schedule and launch each step before the previous step's tokens reach the host, "
         "hiding host work behind the device (default: the platform's choice)"
     )
+    late_launch: bool = _opt(
+        "with async scheduling, a server schedules each step shortly before the device ends "
+        "the one in flight (from measured step times), so that requests arriving meanwhile "
+        "join it: a shorter time to first token", default=True,
+    )
     kernel_warmup: bool | None = _opt(
         "at start-up, run synthetic requests through the step loop so that kernels compile "
         "before the first request (default: the platform's choice: on for GPUs)"

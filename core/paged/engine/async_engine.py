@@ -166,6 +166,9 @@ def _core_loop(
             return
         rejected: list[EngineOutput] = []  # idle: block (1 s at a time, to notice orphaning)
         timeout, got = (0 if core.has_unfinished() else 1000), False
+        due = core.launch_deadline() if timeout == 0 else None  # late launch: take requests
+        if due is not None:  # until shortly before the step in flight ends
+            timeout = _ms_until(due)
         while pull.poll(timeout):
             msg = decode(pull.recv(copy=False).buffer)
             if type(msg) is m.Add:
@@ -183,7 +186,7 @@ def _core_loop(
                 core.remove_lora(msg.lora_int_id)
             elif type(msg) is m.Shutdown:
                 return
-            timeout, got = 0, True
+            timeout, got = (0 if due is None else _ms_until(due)), True
         if not core.has_unfinished():
             if got:  # report aborts and rejections even without a step
                 send(m.Outputs(rejected, core.metrics(), {}))
@@ -199,6 +202,12 @@ def _core_loop(
                 if req is not None or rid in done:
                     queue_times[rid] = t - t0
         send(m.Outputs(rejected + outs, core.metrics(), queue_times))
+
+
+def _ms_until(due: float) -> int:
+    """Whole milliseconds from now until `due` (time.perf_counter), at least 0: a poll
+    timeout that ends at or before it."""
+    return max(0, int((due - time.perf_counter()) * 1e3))
 
 
 # ---- the server side -------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from paged.config import EngineConfig
 from paged.engine.kv_cache import KVCacheManager
+from paged.engine.launch_clock import LaunchClock
 from paged.engine.messages import REJECTED, EngineOutput  # EngineOutput re-exported
 from paged.engine.pooling import prepare as prepare_pooling
 from paged.engine.request import Request, sample_params, sequence_ids
@@ -115,6 +116,7 @@ class EngineCore:
         self.structured.pin_memory = self.platform.pin_memory
         self._filler: ThreadPoolExecutor | None = None  # fills masks beside the resolve
         self.inflight = None  # (batch, handle, computed counts) of a launched step
+        self.clock = LaunchClock()  # step times, for the serving loop's late launch
         self.reset_counters()
         warm = config.kernel_warmup
         if (self.platform.kernel_warmup if warm is None else warm) and runner == "generate":
@@ -301,6 +303,7 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             outs += self._resolve(prev)
             prev = self.inflight = None
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if self.spec is not None:  # proposals for the decodes given lookahead slots
             self.spec.propose(batch)
@@ -314,6 +317,8 @@ class EngineCore:
             try:
                 handle = self.executor.launch(batch, prev[1] if prev else None)
                 launched = (batch, handle, self.scheduler.launched(batch))
+                now = time.perf_counter()
+                self.clock.launched(batch, now - t0, now, behind=prev is not None)
             except Exception as e:  # fail this step's requests, keep the engine alive
                 self._fatal(e)
                 outs += self._fail(batch.reqs, e)
@@ -325,6 +330,14 @@ class EngineCore:
         if launched is not None and not self.runner.overlap:
             outs += self._resolve(launched)
         return outs
+
+    def launch_deadline(self) -> float | None:
+        """With a step in flight under overlap and `late_launch`: when (time.perf_counter)
+        the next step should be scheduled so that the device finds it queued when the one in
+        flight ends (paged.engine.launch_clock); None: at once."""
+        if self.inflight is None or not self.config.late_launch:
+            return None
+        return self.clock.deadline()
 
     def _fill_beside(self, mask: DeferredMask, batch, prev) -> None:
         """Start `batch`'s mask once its forward is queued: the matchers take the tokens of
@@ -364,7 +377,10 @@ class EngineCore:
     def _resolve(self, launched) -> list[EngineOutput]:
         batch, handle, computed = launched
         try:
+            t0 = time.perf_counter()
             sampled, logprobs = handle.result()
+            now = time.perf_counter()
+            self.clock.ended(now - t0, now)
             embeddings = handle.embeddings()
             for rid, (first, entries, ranks) in handle.prompt_logprobs().items():
                 if rid in self.requests:
