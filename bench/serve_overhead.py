@@ -3,6 +3,8 @@
     python bench/serve_overhead.py [--variants h11-asyncio,httptools-uvloop]
         [--clients bench,httpx,raw]
         [--rates 32] [--repeats 3] [--num-prompts 600] [--step-ms 6] [--pin] [--json PATH]
+    python bench/serve_overhead.py --core overlap --clients raw \
+        --variants httptools-uvloop,httptools-uvloop:--no-late-launch
 
 The server is the real one (serve_main: the app, Serving, metrics, AsyncEngine) started in
 its own process; only its engine core differs: `fake_core_main`, spawned by FakeCoreEngine
@@ -10,6 +12,8 @@ its own process; only its engine core differs: `fake_core_main`, spawned by Fake
 per step with the stats /metrics exports, Alive heartbeats; Add, Abort, Shutdown) and every
 --step-ms emits one token per running sequence, a step that admits new requests taking
 --prefill-ms-per-1k longer per 1,000 of their prompt tokens. It sleeps between steps.
+`--core overlap` instead runs the real core loop over overlapped steps on a simulated device
+(bench/overlap_core.py): what late launch (`--no-late-launch` in a variant's flags) changes.
 
 Variants pick the HTTP protocol and event loop the server finds installed: h11 / asyncio are
 what it falls back to when httptools / uvloop cannot be imported (blocked in that process).
@@ -65,6 +69,8 @@ class FakeSpec:
     vocab_size: int
     eos_token_ids: list[int]
     max_model_len: int
+    core: str = "fake"  # or "overlap": bench/overlap_core.py
+    host_s: float = 0.0  # overlap: the host's time to schedule and launch a step
 
 
 @dataclasses.dataclass
@@ -188,8 +194,11 @@ def _fake_engine_class(spec: FakeSpec) -> type:
         def _process(self, args: tuple) -> Any:
             import multiprocessing
 
+            from overlap_core import overlap_core_main
+
             mp = multiprocessing.get_context("spawn")
-            return mp.Process(target=fake_core_main, args=(*args, spec), name=self.name)
+            target = overlap_core_main if spec.core == "overlap" else fake_core_main
+            return mp.Process(target=target, args=(*args, spec), name=self.name)
 
         def _send(self, msg: Any) -> None:
             times = _TIMES.get()
@@ -231,9 +240,10 @@ class Timeline:
 
 
 def serve_child(argv: list[str]) -> int:
-    """`_serve VARIANT STEP_MS PREFILL_MS_PER_1K -- paged serve args`: serve_main with the fake
-    core, the Timeline middleware and, per the variant, httptools / uvloop made unimportable."""
-    variant, step_ms, prefill_ms, _, *serve_argv = argv
+    """`_serve VARIANT STEP_MS PREFILL_MS_PER_1K CORE HOST_MS -- paged serve args`: serve_main
+    with the fake core (CORE fake or overlap), the Timeline middleware and, per the variant,
+    httptools / uvloop made unimportable."""
+    variant, step_ms, prefill_ms, core, host_ms, _, *serve_argv = argv
     http, loop = VARIANTS[variant]
     if http == "h11":
         sys.modules["httptools"] = None  # type: ignore[assignment]  # as if not installed
@@ -250,7 +260,8 @@ def serve_child(argv: list[str]) -> int:
     eos = cfg.get("eos_token_id")
     spec = FakeSpec(float(step_ms) / 1e3, float(prefill_ms) / 1e6, cfg["vocab_size"],
                     eos if isinstance(eos, list) else [eos] if eos is not None else [],
-                    args.max_model_len or cfg["max_position_embeddings"])  # fmt: skip
+                    args.max_model_len or cfg["max_position_embeddings"], core,
+                    float(host_ms) / 1e3)  # fmt: skip
     replicas.AsyncEngine = _fake_engine_class(spec)  # what make_engine builds
     build = app_mod.build_app
     app_mod.build_app = lambda state: Timeline(build(state))
@@ -420,10 +431,10 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
     from h200 import _histograms, _means
 
     from paged.cli import bench_serve
-    from paged.cli.bench_prompts import load_prompts
+    from paged.cli.bench_prompts import random_prompts
 
     cargs = client_args(args, url, seed, rate)
-    prompts = load_prompts(cargs)
+    prompts = random_prompts(cargs)
     _get(url + "/_bench/timeline")
     before = _histograms(url + "/metrics")
     cpu0 = [_cpu_s(p) for p in pids] + [_self_cpu_s(), _host_busy_s()]
@@ -471,10 +482,12 @@ def start_server(args: argparse.Namespace, variant: str, model: str, log: Path) 
     from h200 import _free_port, _healthy
 
     port = _free_port()
+    variant, _, flags = variant.partition(":")
     name, _, base = variant.partition("@")
     cmd = [sys.executable, __file__, "_serve", name, str(args.step_ms),
-           str(args.prefill_ms_per_1k), "--", model, "--max-model-len", "2048",
-           "--port", str(port), "--served-model-name", args.model_name]  # fmt: skip
+           str(args.prefill_ms_per_1k), args.core, str(args.host_ms), "--", model,
+           "--max-model-len", "2048", "--port", str(port), "--served-model-name",
+           args.model_name, *flags.split()]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if base:
         env["PYTHONPATH"] = str(Path(args.base_core).resolve())
@@ -545,7 +558,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a(
         "--variants",
         default="h11-asyncio,httptools-uvloop",
-        help=f"comma list of {', '.join(VARIANTS)} (each may end in @base)",
+        help=f"comma list of {', '.join(VARIANTS)} (each may end in @base, then in "
+        "':FLAGS', paged serve flags for that server, e.g. ':--no-late-launch')",
     )
     a(
         "--base-core",
@@ -562,6 +576,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a("--step-ms", type=float, default=6.0, help="the fake core's step time")
     a("--prefill-ms-per-1k", type=float, default=20.0,
       help="added to a step per 1,000 prompt tokens it admits")  # fmt: skip
+    a("--core", choices=("fake", "overlap"), default="fake",
+      help="fake: a loop of its own, steps one after another; overlap: the real core loop "
+      "(late launch included) over overlapped steps on a simulated device (overlap_core.py)")
+    a("--host-ms", type=float, default=0.5, help="overlap: host time to schedule and launch")
     a("--model", default="llama-3.1-8b", help="named shape: its config and vocabulary")
     a("--warmup", type=int, default=16, help="requests before the timed ones, per server")
     a(
