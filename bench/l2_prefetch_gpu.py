@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "plugins" / "cuda"))
 from paged.kernels import pdl  # noqa: E402
 
 
@@ -73,25 +74,12 @@ def _prefetch_kernel(w_ptr, nbytes, PIECE: tl.constexpr, LANES: tl.constexpr,
     _bulk(w_ptr.to(tl.pointer_type(tl.int8)), lanes * PIECE, nbytes, PIECE)
 
 
-def chain_ms(steps, replays: int = 20) -> float:
-    for s in steps:
-        s()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for s in steps:
-            s()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / replays)
-    return sorted(times)[2]
+def chain_us(steps: list, layers: int) -> float:
+    """Microseconds a layer: the steps captured in one CUDA graph (the start-up timing's
+    paged_cuda.gemv_select.graph_time), over `layers` layers."""
+    from paged_cuda.gemv_select import graph_time
+
+    return graph_time(steps) * len(steps) / layers * 1e6
 
 
 def bench_shape(n: int, k: int, args: argparse.Namespace, spin_buf: torch.Tensor) -> None:
@@ -126,18 +114,18 @@ def bench_shape(n: int, k: int, args: argparse.Namespace, spin_buf: torch.Tensor
         return lambda: _spin_kernel[grid](spin_buf, args.spin, w, nbytes, MODE=mode,
                                           PIECE=piece, LANES=lanes, **pdl.launch())  # fmt: skip
 
-    t_spin = chain_ms([spin(w, 0, 4096) for w in ws]) / layers * 1e3
+    t_spin = chain_us([spin(w, 0, 4096) for w in ws], layers)
     print(f"{n}x{k}: spinner alone {t_spin:.2f} us a layer; the GEMV's HBM floor "
           f"{nbytes / 4.3e6:.2f} us at 4.3 TB/s")  # fmt: skip
     for name, cfg in cfgs.items():
-        t_lin = chain_ms([lin(w, cfg) for w in ws]) / layers * 1e3
+        t_lin = chain_us([lin(w, cfg) for w in ws], layers)
         row = [f"  {name:18s} GEMV alone {t_lin:6.2f}"]
         modes = ((0, "spin+GEMV"), (1, "bulk pf"), (2, "line pf"), (3, "pf kernel"))
         for mode, label in modes:
             steps = []
             for w in ws:
                 steps += [spin(w, mode, 4096 if mode == 2 else args.piece), lin(w, cfg)]
-            row.append(f"{label} {chain_ms(steps) / layers * 1e3:6.2f}")
+            row.append(f"{label} {chain_us(steps, layers):6.2f}")
         print(" | ".join(row) + " us a layer", flush=True)
 
 

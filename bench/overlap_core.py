@@ -135,14 +135,12 @@ class SimCore:
         return outs
 
 
-def overlap_core_main(config: Any, addr_in: str, addr_out: str, log_level: str,
-                      parent: int | None, faults: Any, placement: Any,
-                      spec: Any) -> None:  # fmt: skip
-    """_core_main with SimCore in place of EngineCore: Ready, heartbeats, the real loop."""
+def core_process(log_level: str, parent: int | None, addr_in: str, addr_out: str) -> tuple:
+    """What _core_main does before its engine: logging, signals left to the server, ending
+    with the parent, and the sockets: (context, pull, push)."""
     import zmq
 
     from paged.engine import async_engine as ae
-    from paged.engine import messages as m
 
     logging.basicConfig(level=log_level.upper(), format=ae.LOG_FORMAT)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -154,6 +152,19 @@ def overlap_core_main(config: Any, addr_in: str, addr_out: str, log_level: str,
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(addr_in)
     push.connect(addr_out)
+    return ctx, pull, push
+
+
+def overlap_core_main(config: Any, addr_in: str, addr_out: str, log_level: str,
+                      parent: int | None, faults: Any, placement: Any,
+                      spec: Any) -> None:  # fmt: skip
+    """_core_main with SimCore in place of EngineCore: Ready, heartbeats, the real loop."""
+    import zmq
+
+    from paged.engine import async_engine as ae
+    from paged.engine import messages as m
+
+    ctx, pull, push = core_process(log_level, parent, addr_in, addr_out)
     encode = m.encoder().encode
 
     def send(msg: Any) -> None:

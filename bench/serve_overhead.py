@@ -38,7 +38,6 @@ import asyncio
 import contextvars
 import dataclasses
 import json
-import logging
 import os
 import random
 import resource
@@ -88,21 +87,13 @@ def fake_core_main(config: Any, addr_in: str, addr_out: str, log_level: str, par
                    faults: Any, placement: Any, spec: FakeSpec) -> None:  # fmt: skip
     """_core_main's protocol without a model: Ready, then one Outputs per step of spec.step_s
     (plus prefill time for the requests it admits), one token per running sequence."""
-    import zmq
+    from overlap_core import core_process
 
     from paged.engine import async_engine as ae
     from paged.engine import messages as m
     from paged.engine.request import sequence_ids
 
-    logging.basicConfig(level=log_level.upper(), format=ae.LOG_FORMAT)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
-    if parent is not None:
-        ae._die_with_parent(parent)
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(addr_in)
-    push.connect(addr_out)
+    _, pull, push = core_process(log_level, parent, addr_in, addr_out)
     encode, decode = m.encoder().encode, m.to_engine_decoder().decode
     info = m.EngineInfo(spec.max_model_len, spec.vocab_size, config.model, NUM_BLOCKS,
                         config.block_size, os.getpid(), "fake", str(config.dtype),
