@@ -62,11 +62,11 @@ class LaunchClock:
     def ended(self, waited_s: float, now: float) -> None:
         """The result of the step on the device reached the host at `now` after a wait of
         `waited_s`: the step queued behind it (if any) runs from now on."""
-        if self.running is not None:
+        known = waited_s >= BLOCKED_S  # the host saw the step end
+        if self.running is not None and known:
             key, start = self.running
-            if start is not None and waited_s >= BLOCKED_S:
+            if start is not None:
                 self.durations[key] = _average(self.durations.get(key), now - start)
-        known = waited_s >= BLOCKED_S
         self.running = None if self.queued is None else (self.queued, now if known else None)
         self.queued = None
 
