@@ -7,8 +7,9 @@ decode attention takes) followed by the o_proj-shaped GEMV on that layer's own w
 comes from HBM). Variants: the spinner alone, the GEMV alone, both, and both with extra
 programs beside the spinner that issue L2 prefetches of the GEMV's weight (Hopper's bulk
 prefetch `cp.async.bulk.prefetch.L2`, or one `prefetch.global.L2` per 128-byte line), or with
-a kernel of its own before the spinner doing the bulk prefetch. Kernels launch with PDL (as
-the engine's do on Hopper) unless `--no-pdl`.
+the engine's own prefetch kernel before the spinner (paged_cuda.prefetch, what
+`--cuda-l2-prefetch` launches). Kernels launch with PDL (as the engine's do on Hopper) unless
+`--no-pdl`.
 
     python bench/l2_prefetch_gpu.py [--spin 2500] [--shapes 4096x4096,6144x4096]
 """
@@ -26,16 +27,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "plugins" / "cuda"))
 from paged.kernels import pdl  # noqa: E402
-
-
-@triton.jit
-def _bulk(base, offs, nbytes, PIECE: tl.constexpr):
-    size = tl.minimum(tl.maximum(nbytes - offs, 0), PIECE).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base + offs, size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
+from paged_cuda.prefetch import _prefetch_kernel, bulk_prefetch  # noqa: E402
 
 
 @triton.jit
@@ -53,7 +45,7 @@ def _spin_kernel(out_ptr, ITERS, w_ptr, nbytes, MODE: tl.constexpr, PIECE: tl.co
         base = w_ptr.to(tl.pointer_type(tl.int8))
         lanes = ((pid - 1) * LANES + tl.arange(0, LANES)).to(tl.int64)
         if MODE == 1:
-            _bulk(base, lanes * PIECE, nbytes, PIECE)
+            bulk_prefetch(base, lanes * PIECE, nbytes, PIECE)
         elif MODE == 2:
             for off in range(0, PIECE, 128):
                 ok = (lanes * PIECE + off < nbytes).to(tl.int32)
@@ -63,15 +55,6 @@ def _spin_kernel(out_ptr, ITERS, w_ptr, nbytes, MODE: tl.constexpr, PIECE: tl.co
                     "=r,l,r", [base + lanes * PIECE + off, ok], dtype=tl.int32, is_pure=False,
                     pack=1,
                 )  # fmt: skip
-
-
-@triton.jit
-def _prefetch_kernel(w_ptr, nbytes, PIECE: tl.constexpr, LANES: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    """A kernel of its own: wait for the one before, let the next start, prefetch."""
-    pdl.enter(PDL)
-    lanes = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64)
-    _bulk(w_ptr.to(tl.pointer_type(tl.int8)), lanes * PIECE, nbytes, PIECE)
 
 
 def chain_us(steps: list, layers: int) -> float:
@@ -103,7 +86,7 @@ def bench_shape(n: int, k: int, args: argparse.Namespace, spin_buf: torch.Tensor
 
     def spin(w, mode, piece, lanes=128):
         progs = triton.cdiv(nbytes, lanes * piece)
-        if mode == 3:  # a prefetch kernel, then the spinner alone
+        if mode == 3:  # the engine's prefetch kernel, then the spinner alone
             def both():
                 _prefetch_kernel[(progs,)](w, nbytes, PIECE=piece, LANES=lanes, **pdl.launch())
                 _spin_kernel[(1,)](spin_buf, args.spin, w, nbytes, MODE=0, PIECE=piece,

@@ -23,17 +23,23 @@ MAX_ROWS = 16  # larger steps' attention reads the cache at bandwidth: no idle H
 
 
 @triton.jit
-def _prefetch_kernel(w_ptr, nbytes, PIECE: tl.constexpr, LANES: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    pdl.enter(PDL)
-    offs = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * PIECE
+def bulk_prefetch(base, offs, nbytes, PIECE: tl.constexpr):
+    """Ask for bytes [offs, offs + PIECE) of `base` (an int8 pointer) in L2, within nbytes
+    (lanes past the end ask for nothing; sizes rounded down to the 16 bytes the op needs)."""
     size = (tl.minimum(tl.maximum(nbytes - offs, 0), PIECE) // 16 * 16).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [w_ptr.to(tl.pointer_type(tl.int8)) + offs, size], dtype=tl.int32,
-        is_pure=False, pack=1,
+        "=r,l,r", [base + offs, size], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
+
+
+@triton.jit
+def _prefetch_kernel(w_ptr, nbytes, PIECE: tl.constexpr, LANES: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+    pdl.enter(PDL)
+    offs = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * PIECE
+    bulk_prefetch(w_ptr.to(tl.pointer_type(tl.int8)), offs, nbytes, PIECE)
 
 
 def prefetch_weight(weight: torch.Tensor | None, rows: int) -> None:
