@@ -17,6 +17,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Collection
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,16 +70,7 @@ class SimCore:
         return self.clock.deadline()
 
     def metrics(self) -> dict[str, float]:
-        used = sum(-(-(s.prompt_len + s.produced) // self.config.block_size)
-                   for s in self.seqs.values())  # fmt: skip
-        return {"num_requests_running": len(self.seqs), "num_requests_waiting": 0,
-                "kv_cache_usage_perc": used / NUM_BLOCKS, "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_preemptions": 0,
-                "prompt_tokens": self.totals["prompt_tokens"],
-                "prompt_tokens_computed": self.totals["prompt_tokens"],
-                "generation_tokens": self.totals["generation_tokens"],
-                "num_free_blocks": NUM_BLOCKS - used, "num_blocks": NUM_BLOCKS,
-                "kv_window_released_blocks": 0}  # fmt: skip
+        return core_stats(self.seqs.values(), self.config.block_size, self.totals)
 
     def step(self) -> list:
         from paged.engine.request import Status
@@ -133,6 +125,20 @@ class SimCore:
                                        s.prompt_len, 0))  # fmt: skip
         self.totals["generation_tokens"] += len(outs)
         return outs
+
+
+def core_stats(seqs: Collection[Any], block_size: int, totals: dict[str, int]) -> dict[str, float]:
+    """EngineCore.metrics() of a fake core: its running sequences (.prompt_len, .produced)
+    in a KV cache of NUM_BLOCKS blocks, and its token totals."""
+    used = sum(-(-(s.prompt_len + s.produced) // block_size) for s in seqs)
+    return {"num_requests_running": len(seqs), "num_requests_waiting": 0,
+            "kv_cache_usage_perc": used / NUM_BLOCKS, "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0, "num_preemptions": 0,
+            "prompt_tokens": totals["prompt_tokens"],
+            "prompt_tokens_computed": totals["prompt_tokens"],
+            "generation_tokens": totals["generation_tokens"],
+            "num_free_blocks": NUM_BLOCKS - used, "num_blocks": NUM_BLOCKS,
+            "kv_window_released_blocks": 0}  # fmt: skip
 
 
 def core_process(log_level: str, parent: int | None, addr_in: str, addr_out: str) -> tuple:

@@ -57,7 +57,6 @@ VARIANTS = {  # name -> (HTTP protocol, event loop)
     "h11-uvloop": ("h11", "uvloop"),
     "httptools-uvloop": ("httptools", "uvloop"),
 }
-NUM_BLOCKS = 32768  # the fake KV cache (only for the kv usage gauge)
 
 
 # ---- the fake engine core (its own process) ----------------------------------------------
@@ -87,7 +86,7 @@ def fake_core_main(config: Any, addr_in: str, addr_out: str, log_level: str, par
                    faults: Any, placement: Any, spec: FakeSpec) -> None:  # fmt: skip
     """_core_main's protocol without a model: Ready, then one Outputs per step of spec.step_s
     (plus prefill time for the requests it admits), one token per running sequence."""
-    from overlap_core import core_process
+    from overlap_core import NUM_BLOCKS, core_process, core_stats
 
     from paged.engine import async_engine as ae
     from paged.engine import messages as m
@@ -106,15 +105,7 @@ def fake_core_main(config: Any, addr_in: str, addr_out: str, log_level: str, par
     beat = time.monotonic()
 
     def stats() -> dict[str, float]:
-        used = sum(-(-(s.prompt_len + s.produced) // config.block_size) for s in seqs.values())
-        return {"num_requests_running": len(seqs), "num_requests_waiting": 0,
-                "kv_cache_usage_perc": used / NUM_BLOCKS, "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_preemptions": 0,
-                "prompt_tokens": totals["prompt_tokens"],
-                "prompt_tokens_computed": totals["prompt_tokens"],
-                "generation_tokens": totals["generation_tokens"],
-                "num_free_blocks": NUM_BLOCKS - used, "num_blocks": NUM_BLOCKS,
-                "kv_window_released_blocks": 0}  # fmt: skip
+        return core_stats(seqs.values(), config.block_size, totals)
 
     while True:
         if parent is not None and os.getppid() != parent:
