@@ -12,7 +12,7 @@ import zmq
 
 from paged.engine import messages as m
 from paged.engine.async_engine import _core_loop
-from paged.engine.launch_clock import BLOCKED_S, SAFETY_S, LaunchClock, shape
+from paged.engine.launch_clock import BLOCKED_S, SAFETY_S, WINDOW, LaunchClock, shape
 from paged.sampling.params import SamplingParams
 from paged.scheduled import ScheduledBatch
 
@@ -32,33 +32,73 @@ def test_shape_buckets_decodes_and_prompt_steps():
 def test_deadline_from_measured_steps():
     c = LaunchClock()
     decode = batch([1, 1], 2)
-    assert c.deadline() is None  # nothing on the device
+    assert c.deadline(10.0) is None  # nothing on the device
     c.launched(decode, host_s=0.001, now=10.0, behind=False)
-    assert c.deadline() is None  # this shape's duration not measured yet
+    assert c.deadline(10.0) is None  # this shape's duration not measured yet
     c.launched(decode, host_s=0.001, now=10.002, behind=True)
-    assert c.deadline() is None  # two steps on the device: launch the next at once
-    c.ended(waited_s=0.003, now=10.006)  # the first ran 6 ms; the second runs from 10.006
-    assert c.durations[(False, 2)] == pytest.approx(0.006)
-    assert c.deadline() == pytest.approx(10.006 + 0.006 - 2 * 0.001 - SAFETY_S)
+    assert c.deadline(10.002) is None  # two steps on the device: launch the next at once
+    c.ended(waited_s=0.003, now=10.010)  # the first ran 10 ms; the second runs from 10.010
+    assert list(c.durations[(False, 2)]) == pytest.approx([0.010])
+    assert c.deadline(10.010) == pytest.approx(10.010 + 0.010 - 2 * 0.001 - SAFETY_S)
+    assert c.deadline(10.017) is None  # under a millisecond away: at once
     # a result the host did not wait for: when the next step started is unknown
-    c.launched(decode, host_s=0.001, now=10.008, behind=True)
-    c.ended(waited_s=BLOCKED_S / 2, now=10.013)
-    assert c.running == ((False, 2), None) and c.deadline() is None
-    assert c.durations[(False, 2)] == pytest.approx(0.006)  # not measured either
+    c.launched(decode, host_s=0.001, now=10.012, behind=True)
+    c.ended(waited_s=BLOCKED_S / 2, now=10.023)
+    assert c.running == ((False, 2), None) and c.deadline(10.023) is None
+    assert list(c.durations[(False, 2)]) == pytest.approx([0.010])  # not measured either
     # a prompt step has a shape of its own
-    c.launched(batch([1, 1, 500], 2), host_s=0.001, now=10.014, behind=True)
-    c.ended(waited_s=0.001, now=10.015)
-    assert c.running == ((True, 2), 10.015) and c.deadline() is None
+    c.launched(batch([1, 1, 500], 2), host_s=0.001, now=10.024, behind=True)
+    c.ended(waited_s=0.001, now=10.025)
+    assert c.running == ((True, 2), 10.025) and c.deadline(10.025) is None
 
 
-def test_average_moves_toward_new_measurements():
+def test_estimate_leans_early():
+    """The shortest of the shape's last WINDOW device times, less twice the longest recent
+    host time: a step that runs shorter than the average still finds the next one queued."""
     c = LaunchClock()
     decode = batch([1], 1)
     c.launched(decode, host_s=0.001, now=0.0, behind=False)
-    for i in range(40):  # the steps take 8 ms from now on
-        c.launched(decode, host_s=0.001, now=0.0, behind=True)
-        c.ended(waited_s=0.002, now=(i + 1) * 0.008 if i else 0.010)
-    assert c.durations[(False, 1)] == pytest.approx(0.008, rel=1e-3)
+    t = 0.0
+    for ms, host in [(12, 1), (10, 3), (14, 1), (11, 1)]:
+        c.launched(decode, host_s=host / 1e3, now=t + 0.001, behind=True)
+        t += ms / 1e3
+        c.ended(waited_s=0.002, now=t)
+    assert c.deadline(t) == pytest.approx(t + 0.010 - 2 * 0.003 - SAFETY_S)
+    for _ in range(WINDOW):  # the 10 ms step leaves the window
+        c.launched(decode, host_s=0.001, now=t + 0.001, behind=True)
+        t += 0.012
+        c.ended(waited_s=0.002, now=t)
+    assert c.deadline(t) == pytest.approx(t + 0.012 - 2 * 0.001 - SAFETY_S)
+
+
+def test_margin_grows_when_a_launch_came_late():
+    """A step launched at a deadline after the one in flight had ended (the host found its
+    result without waiting: the device idled) counts as missed and doubles the margin; on-time
+    launches shrink it back toward SAFETY_S. Steps launched at once count as neither."""
+    c = LaunchClock()
+    decode = batch([1], 1)
+    c.launched(decode, host_s=0.001, now=0.0, behind=False)
+    c.launched(decode, host_s=0.001, now=0.001, behind=True)
+    c.ended(waited_s=0.005, now=0.010)
+    t = 0.010
+    due = c.deadline(t)
+    assert due is not None
+    c.launched(decode, host_s=0.001, now=due + 0.001, behind=True)
+    c.ended(waited_s=0.0, now=due + 0.012)  # it had ended before the launch
+    assert (c.launches, c.missed) == (1, 1) and c.margin == pytest.approx(2 * SAFETY_S)
+    c.launched(decode, host_s=0.001, now=due + 0.013, behind=True)  # at once: no deadline
+    c.ended(waited_s=0.005, now=due + 0.020)
+    assert (c.launches, c.missed) == (1, 1)
+    t = due + 0.020
+    for _ in range(200):  # on time from now on
+        due = c.deadline(t)
+        assert due is not None
+        c.launched(decode, host_s=0.001, now=due, behind=True)
+        t += 0.009
+        c.ended(waited_s=0.002, now=t)
+    assert c.launches == 201 and c.missed == 1 and c.margin == pytest.approx(SAFETY_S)
+    c.reset_counters()
+    assert (c.launches, c.missed) == (0, 0)
 
 
 class FakeCore:
@@ -127,7 +167,7 @@ def test_core_loop_takes_requests_until_the_deadline():
 
 def test_engine_feeds_the_clock_under_overlap(tiny_models):
     """With overlapped steps the engine times each step whose result it waited for (here a
-    result that takes 3 ms to come, as from a device) and gives the serving loop a deadline
+    result that takes 20 ms to come, as from a device) and gives the serving loop a deadline
     while a step is in flight; with --no-late-launch it gives none."""
     from paged import LLM
 
@@ -138,7 +178,7 @@ def test_engine_feeds_the_clock_under_overlap(tiny_models):
     def slow_launch(*args, **kw):
         handle = launch(*args, **kw)
         result = handle.result
-        handle.result = lambda: (time.sleep(0.003), result())[1]
+        handle.result = lambda: (time.sleep(0.02), result())[1]
         return handle
 
     core.executor.launch = slow_launch
@@ -147,7 +187,7 @@ def test_engine_feeds_the_clock_under_overlap(tiny_models):
     while core.has_unfinished():
         core.step()
         deadlines.append(core.launch_deadline())
-    assert core.clock.durations and core.clock.host_s is not None
+    assert core.clock.durations and core.clock.host_s
     assert all(d is None or isinstance(d, float) for d in deadlines)
     assert any(d is not None for d in deadlines[2:-1])  # decodes after the first are timed
     core.config = dataclasses.replace(core.config, late_launch=False)

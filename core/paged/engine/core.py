@@ -268,6 +268,8 @@ class EngineCore:
             "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.num_blocks,
             "kv_window_released_blocks": self.kv.num_window_released,
+            "late_launches": self.clock.launches,
+            "late_launches_missed": self.clock.missed,
             **(self.spec.metrics() if self.spec is not None else {}),
         }
 
@@ -276,6 +278,7 @@ class EngineCore:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
         self.kv.reset_counters()
         self.scheduler.reset_counters()
+        self.clock.reset_counters()
         if self.spec is not None:
             self.spec.reset_counters()
 
@@ -337,7 +340,7 @@ class EngineCore:
         flight ends (paged.engine.launch_clock); None: at once."""
         if self.inflight is None or not self.config.late_launch:
             return None
-        return self.clock.deadline()
+        return self.clock.deadline(time.perf_counter())
 
     def _fill_beside(self, mask: DeferredMask, batch, prev) -> None:
         """Start `batch`'s mask once its forward is queued: the matchers take the tokens of

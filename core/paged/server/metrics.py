@@ -56,6 +56,16 @@ _ENGINE = {
         "KV blocks released early because they fell out of a sliding window",
         1,
     ),
+    "late_launches": (
+        "paged:late_launches",
+        "steps the serving loop launched at a deadline, just before the step in flight ended",
+        1,
+    ),
+    "late_launches_missed": (
+        "paged:late_launches_missed",
+        "of those, steps launched after the step in flight had ended (the device idled)",
+        1,
+    ),
     "spec_decode_num_drafts": (
         "paged:spec_decode_num_drafts",
         "speculative decoding: verifications (a request's proposals in one step)",
