@@ -330,6 +330,7 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
             base += ["--vocab-size", _shape(args.model)["vocab_size"]]
         run("serve-warmup", paged("bench", "serve", *base, "--num-prompts", 8), 60, logs, echo=3)
         before = _histograms(f"http://127.0.0.1:{port}/metrics")
+        counted = _counters(f"http://127.0.0.1:{port}/metrics")
         path = out / "serve.json"
         cmd = paged("bench", "serve", *base, "--request-rate", args.serve_rate,
                     "--num-prompts", args.serve_prompts, "--save-json", path)  # fmt: skip
@@ -339,6 +340,9 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         res |= _load(path)
         res["server_side_mean_ms"] = _means(before, _histograms(f"http://127.0.0.1:{port}/metrics"))
         print(f"[serve] server-side means (ms): {res['server_side_mean_ms']}", flush=True)
+        after = _counters(f"http://127.0.0.1:{port}/metrics")
+        res["late_launch"] = {k: after[k] - counted.get(k, 0) for k in after}
+        print(f"[serve] late launch: {res['late_launch']}", flush=True)
     finally:
         _stop(server)
     return res
@@ -368,6 +372,24 @@ def _histograms(url: str) -> dict[str, tuple[float, float]]:
                 elif sample.name.endswith("_count"):
                     entry[1] += sample.value
     return {k: (v[0], v[1]) for k, v in got.items()}
+
+
+# The engine's late-launch counters: steps launched at a deadline, and those that came late.
+_COUNTED = ("late_launches", "late_launches_missed")
+
+
+def _counters(url: str) -> dict[str, float]:
+    """{counter: total} of _COUNTED from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    got = {}
+    for fam in text_string_to_metric_families(text):
+        name = fam.name.removeprefix("paged:")
+        if name in _COUNTED:
+            got[name] = sum(x.value for x in fam.samples if x.name.endswith("_total"))
+    return got
 
 
 def _means(before: dict, after: dict) -> dict[str, float]:

@@ -4,7 +4,8 @@ and all) drives `SimCore`, whose steps behave as EngineCore.step does under over
 scheduled and launched while the one before it is still on the device, then that one is
 resolved) but whose device is a timeline: a step takes --step-ms, plus --prefill-ms-per-1k per
 1,000 prompt tokens it computes, after the step before it; resolving waits (sleeps) until
-then. Scheduling and launching cost --host-ms of the host's time. Requests get one token a
+then; --step-jitter spreads each step's device time (a normal factor of mean 1). Scheduling and
+launching cost --host-ms of the host's time. Requests get one token a
 step, their first in the step that computes their prompt.
 """
 
@@ -48,6 +49,7 @@ class SimCore:
         self.clock = LaunchClock()
         self.device_free = 0.0  # when the device ends the last step launched
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.rng = random.Random(0)  # the device's jitter
 
     def add_request(self, rid: str, prompt: list[int], params: Any, lora: Any) -> None:
         from paged.engine.request import Status, sequence_ids
@@ -67,10 +69,12 @@ class SimCore:
     def launch_deadline(self) -> float | None:
         if self.inflight is None or not self.config.late_launch:
             return None
-        return self.clock.deadline()
+        return self.clock.deadline(time.perf_counter())
 
     def metrics(self) -> dict[str, float]:
-        return core_stats(self.seqs.values(), self.config.block_size, self.totals)
+        stats = core_stats(self.seqs.values(), self.config.block_size, self.totals)
+        return stats | {"late_launches": self.clock.launches,
+                        "late_launches_missed": self.clock.missed}  # fmt: skip
 
     def step(self) -> list:
         from paged.engine.request import Status
@@ -89,7 +93,9 @@ class SimCore:
             self.totals["prompt_tokens"] += prompt
             time.sleep(spec.host_s)  # preparing the step's inputs, launching it
             now = time.perf_counter()
-            end = max(now, self.device_free) + spec.step_s + spec.prefill_s_per_token * prompt
+            busy = spec.step_s + spec.prefill_s_per_token * prompt
+            busy *= max(0.2, self.rng.gauss(1.0, spec.jitter)) if spec.jitter else 1.0
+            end = max(now, self.device_free) + busy
             self.device_free = end
             batch = ScheduledBatch(reqs=seqs, num_new=[s.prompt_len if s.scheduled == 1 else 1
                                                        for s in seqs],

@@ -69,6 +69,7 @@ class FakeSpec:
     max_model_len: int
     core: str = "fake"  # or "overlap": bench/overlap_core.py
     host_s: float = 0.0  # overlap: the host's time to schedule and launch a step
+    jitter: float = 0.0  # overlap: relative spread (sd) of a step's device time
 
 
 @dataclasses.dataclass
@@ -222,10 +223,10 @@ class Timeline:
 
 
 def serve_child(argv: list[str]) -> int:
-    """`_serve VARIANT STEP_MS PREFILL_MS_PER_1K CORE HOST_MS -- paged serve args`: serve_main
-    with the fake core (CORE fake or overlap), the Timeline middleware and, per the variant,
-    httptools / uvloop made unimportable."""
-    variant, step_ms, prefill_ms, core, host_ms, _, *serve_argv = argv
+    """`_serve VARIANT STEP_MS PREFILL_MS_PER_1K CORE HOST_MS JITTER -- paged serve args`:
+    serve_main with the fake core (CORE fake or overlap), the Timeline middleware and, per the
+    variant, httptools / uvloop made unimportable."""
+    variant, step_ms, prefill_ms, core, host_ms, jitter, _, *serve_argv = argv
     http, loop = VARIANTS[variant]
     if http == "h11":
         sys.modules["httptools"] = None  # type: ignore[assignment]  # as if not installed
@@ -243,7 +244,7 @@ def serve_child(argv: list[str]) -> int:
     spec = FakeSpec(float(step_ms) / 1e3, float(prefill_ms) / 1e6, cfg["vocab_size"],
                     eos if isinstance(eos, list) else [eos] if eos is not None else [],
                     args.max_model_len or cfg["max_position_embeddings"], core,
-                    float(host_ms) / 1e3)  # fmt: skip
+                    float(host_ms) / 1e3, float(jitter))  # fmt: skip
     replicas.AsyncEngine = _fake_engine_class(spec)  # what make_engine builds
     build = app_mod.build_app
     app_mod.build_app = lambda state: Timeline(build(state))
@@ -410,7 +411,7 @@ def client_args(args: argparse.Namespace, url: str, seed: int, rate: float) -> a
 def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: str, seed: int,
             rate: float) -> dict[str, Any]:  # fmt: skip
     """One benchmark() pass against a running server, and what it cost."""
-    from h200 import _histograms, _means
+    from h200 import _counters, _histograms, _means
 
     from paged.cli import bench_serve
     from paged.cli.bench_prompts import random_prompts
@@ -418,7 +419,7 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
     cargs = client_args(args, url, seed, rate)
     prompts = random_prompts(cargs)
     _get(url + "/_bench/timeline")
-    before = _histograms(url + "/metrics")
+    before, counted = _histograms(url + "/metrics"), _counters(url + "/metrics")
     cpu0 = [_cpu_s(p) for p in pids] + [_self_cpu_s(), _host_busy_s()]
     send = bench_serve.send
     if client == "raw":
@@ -432,6 +433,7 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
     cpu1 = [_cpu_s(p) for p in pids] + [_self_cpu_s(), _host_busy_s()]
     server_s, core_s, client_s, host_s = (b - a for a, b in zip(cpu0, cpu1))
     means = _means(before, _histograms(url + "/metrics"))
+    late = {k: v - counted.get(k, 0) for k, v in _counters(url + "/metrics").items()}
     times = _get(url + "/_bench/timeline")
     toks = max(res["total_output_tokens"], 1)
     out = {k: res[k] for k in ("completed", "failed", "duration_s", "total_output_tokens",
@@ -448,6 +450,8 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
         "client_cpu_us_per_token": client_s / toks * 1e6,
         "other_cpu_util": max(0.0, host_s - server_s - core_s - client_s) / res["duration_s"],
         "errors": sorted({r["error"] for r in res["requests"] if r["error"]})[:3],
+        "late_launches": late.get("late_launches"),
+        "late_launches_missed": late.get("late_launches_missed"),
     }
     if out["server_ttft_mean_ms"] is not None:
         out["gap_mean_ms"] = out["mean_ttft_ms"] - out["server_ttft_mean_ms"]
@@ -467,7 +471,8 @@ def start_server(args: argparse.Namespace, variant: str, model: str, log: Path) 
     variant, _, flags = variant.partition(":")
     name, _, base = variant.partition("@")
     cmd = [sys.executable, __file__, "_serve", name, str(args.step_ms),
-           str(args.prefill_ms_per_1k), args.core, str(args.host_ms), "--", model,
+           str(args.prefill_ms_per_1k), args.core, str(args.host_ms),
+           str(args.step_jitter), "--", model,
            "--max-model-len", "2048", "--port", str(port), "--served-model-name",
            args.model_name, *flags.split()]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -562,6 +567,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       help="fake: a loop of its own, steps one after another; overlap: the real core loop "
       "(late launch included) over overlapped steps on a simulated device (overlap_core.py)")
     a("--host-ms", type=float, default=0.5, help="overlap: host time to schedule and launch")
+    a("--step-jitter", type=float, default=0.0,
+      help="overlap: a step's device time times a normal factor of mean 1 and this sd")
     a("--model", default="llama-3.1-8b", help="named shape: its config and vocabulary")
     a("--warmup", type=int, default=16, help="requests before the timed ones, per server")
     a(
