@@ -22,6 +22,7 @@ from paged.engine.request import Request, sample_params, sequence_ids
 from paged.engine.scheduler import Scheduler
 from paged.engine.warmup import warm_up
 from paged.executor import WorkerFailure, create_executor
+from paged.kernels.compile_watch import CompileWatch, watch_compiles
 from paged.lora.request import LoRARequest
 from paged.model.pooling_config import resolve_pooler, resolve_runner
 from paged.plugins import select_platform
@@ -118,9 +119,11 @@ class EngineCore:
         self.inflight = None  # (batch, handle, computed counts) of a launched step
         self.clock = LaunchClock()  # step times, for the serving loop's late launch
         self.reset_counters()
+        self.compile_watch: CompileWatch | None = None
         warm = config.kernel_warmup
         if (self.platform.kernel_warmup if warm is None else warm) and runner == "generate":
             warm_up(self)  # kernels compile now, not in the first requests
+            self.compile_watch = watch_compiles()  # and any it missed is logged
         log.info(
             "engine ready on %s (%s, %s) in %.1f s: %d KV blocks of %d tokens (%d tokens)",
             self.platform.name,
@@ -440,6 +443,9 @@ class EngineCore:
         """Stop the workers (a no-op with one rank)."""
         if self._filler is not None:
             self._filler.shutdown(wait=False)
+        if self.compile_watch is not None:
+            self.compile_watch.stop()
+            self.compile_watch = None
         self.executor.shutdown()
 
     def _fail(self, reqs: list[Request], e: Exception) -> list[EngineOutput]:
