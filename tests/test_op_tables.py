@@ -39,35 +39,3 @@ def test_two_engines_in_one_process_each_run_their_own_ops(tiny_models, engines_
     assert CountingCpu.calls == []  # the first engine, its own (before: the counting ops)
     assert counting.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == want
     assert CountingCpu.calls
-
-
-class PrefetchingCpu(CpuPlatform):
-    """The CPU platform's ops with a prefetch_weight that records what it is asked for."""
-
-    name = "prefetching-cpu"
-    asked: list[tuple[int, int]] = []  # (the weight's data pointer, rows)
-
-    def ops(self):
-        def prefetch(weight, rows):
-            self.asked.append((weight.data_ptr(), rows))
-
-        return {**super().ops(), "prefetch_weight": prefetch}
-
-
-def test_attention_hints_o_proj_weight_before_the_attention(tiny_models, engines_on):
-    """Each layer asks the platform to prefetch its o_proj weight, with the step's row count
-    (the CUDA plugin's --cuda-l2-prefetch), and the output does not change."""
-    path, prompt = tiny_models["llama"], list(range(5, 40))
-    want = LLM(path, dtype="float32", kv_cache_memory="16MiB").generate(
-        prompt, PARAMS, use_tqdm=False
-    )[0].outputs[0].token_ids
-    engines_on(PrefetchingCpu())
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
-    PrefetchingCpu.asked.clear()
-    assert llm.generate(prompt, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == want
-    model = llm.engine.runner.model
-    o_projs = [m.o_proj.weight.data_ptr() for m in model.modules() if hasattr(m, "o_proj")]
-    steps = len(PrefetchingCpu.asked) // len(o_projs)
-    assert steps == PARAMS.max_tokens  # the prompt's step, then a decode per later token
-    assert PrefetchingCpu.asked[: len(o_projs)] == [(p, len(prompt)) for p in o_projs]
-    assert PrefetchingCpu.asked[-len(o_projs) :] == [(p, 1) for p in o_projs]

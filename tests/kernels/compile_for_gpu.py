@@ -301,21 +301,8 @@ def decode_with_pdl() -> None:
     pdl.enable(False)
 
 
-def cuda_plugin() -> None:
-    """The CUDA plugin's own kernel with inline PTX (paged_cuda.prefetch), PDL on and off."""
-    sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "plugins" / "cuda"))
-    from paged_cuda.prefetch import LANES, PIECE, _prefetch_kernel
-
-    w = t(4096, 4096)
-    for pdl_on in (True, False):
-        launch = {"launch_pdl": True} if pdl_on else {}
-        _prefetch_kernel[(16,)](w, 4096 * 4096 * 2, PIECE=PIECE, LANES=LANES, PDL=pdl_on,
-                                **launch)  # fmt: skip
-
-
 def main() -> int:
-    for part in (attention, fused, quantized_linears, moe_and_lora, decode_with_pdl,
-                 cuda_plugin):  # fmt: skip
+    for part in (attention, fused, quantized_linears, moe_and_lora, decode_with_pdl):
         part()
     print(f"{len(compiled)} kernel variants compiled for {TARGET}")
     return 0

@@ -35,7 +35,7 @@ def test_every_kernel_compiles_for_sm90():
     expected = {"_reshape_and_cache_kernel", "_split_kernel", "_varlen_kernel",
                 "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel", "_quant_rows",
                 "_gemv_kernel", "_gemv_split_k_kernel", "_fp8_gemv_dot_kernel", "_fp8_gemm",
-                "_fp8_gemv_split_kernel", "_prefetch_kernel",
+                "_fp8_gemv_split_kernel",
                 "_int4_gemm_split_kernel", "_dequant_kernel",
                 "_pair_gemv", "_down_gemv_sum", "_route_kernel", "_grouped_gemm", "_lora_gemm",
                 "_apply_bitmask_kernel", "_gemma_rms_norm_kernel",

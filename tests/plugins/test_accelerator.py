@@ -179,9 +179,8 @@ def test_kernels_and_ops(fake, monkeypatch):
     fused = platform.ops()
     # A Triton kernel for every op (the model's and the sampler's structured-outputs mask)
     # but the two MoE fusions that measured slower than their defaults' kernels (kernels/ops.py)
-    # and the weight prefetch hint (device code: the CUDA plugin's own, paged_cuda.prefetch)
     slower = {"add_rms_norm_moe", "fused_moe_from_logits"}
-    assert set(fused) == set(model_ops._DEFAULTS) - slower - {"prefetch_weight"}
+    assert set(fused) == set(model_ops._DEFAULTS) - slower
     import paged.kernels.ops as kernel_ops
 
     monkeypatch.setattr(kernel_ops, "find_spec", lambda name: None)

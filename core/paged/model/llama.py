@@ -148,7 +148,6 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        ops.get("prefetch_weight")(getattr(self.o_proj, "weight", None), t)
         out = self.attend(q, k, v, meta, positions, rope)
         return tp_all_reduce(self.o_proj(out.reshape(t, -1)))
 

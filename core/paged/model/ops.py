@@ -244,12 +244,6 @@ def apply_token_bitmask(
         logits.index_add_(0, rows, torch.nn.functional.pad(add, (0, vocab - n)))
 
 
-def prefetch_weight(weight: torch.Tensor | None, rows: int) -> None:
-    """A hint: `weight` is read next, after a kernel that reads little (a decode step's
-    attention before o_proj), for `rows` input rows. A platform may start pulling it into the
-    device's cache meanwhile (the CUDA plugin's `--cuda-l2-prefetch`); by default nothing."""
-
-
 _DEFAULTS: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
@@ -272,7 +266,6 @@ _DEFAULTS: dict[str, Callable] = {
     "int8_linear": int8_linear,  # a GGUF's Q8_0 blocks (int4_linear's layout, 8-bit codes)
     "lora_shrink": lora_shrink,  # multi-LoRA (paged.lora.layers)
     "lora_expand": lora_expand,
-    "prefetch_weight": prefetch_weight,  # o_proj's weight while attention runs (paged.model.llama)
 }
 _active: dict[str, Callable] = dict(_DEFAULTS)
 _installed: list[dict[str, Callable] | None] = [None]  # the table whose entries _active holds

@@ -39,12 +39,6 @@ class CudaPlatform(AcceleratorPlatform):
             "overlap the end of the kernel before it); off: plain launches",
             True,
         ),
-        PlatformOption(
-            "cuda_l2_prefetch",
-            "in decode steps of up to 16 rows, pull o_proj's weight into L2 while the attention "
-            "kernel runs (compute capability 9.0 and later; paged_cuda.prefetch)",
-            False,
-        ),
     )
 
     @classmethod
@@ -90,10 +84,6 @@ class CudaPlatform(AcceleratorPlatform):
 
         if "fp8_linear" in table and scaled_mm_available():
             table["fp8_linear"] = fp8_linear
-        if self.option("cuda_l2_prefetch") and torch.cuda.get_device_capability()[0] >= 9:
-            from paged_cuda.prefetch import prefetch_weight
-
-            table["prefetch_weight"] = prefetch_weight
         return table
 
     def graph_runner(self):
