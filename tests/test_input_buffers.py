@@ -61,3 +61,33 @@ def test_host_buffers_are_not_reused_before_the_device_copied_them():
         assert pos.tolist() == e_pos
         assert meta.seq_lens.tolist() == [e_seq]
         assert meta.block_tables.tolist() == [list(range(100, 100 + e_seq // bs))]
+
+
+def test_every_section_starts_on_16_bytes_whatever_the_step_sizes():
+    """A Triton kernel is compiled per 16-byte alignment of each pointer it gets: the step's
+    views (positions, slots and tables of every KV group, seq_lens, logits rows) start aligned
+    for any number of requests and tokens, and hold the step's values."""
+    bs, g = 4, 2
+    bufs = InputBuffers(64, 8, 16, bs, torch.device("cpu"), False, num_groups=g)
+    for n_reqs, lens in [(1, [3]), (2, [1, 4]), (3, [5, 1, 1]), (5, [1, 2, 3, 1, 2])]:
+        reqs = []
+        for i, n in enumerate(lens):
+            r = Request(f"r{n_reqs}-{i}", list(range(7, 7 + n + 2)), SamplingParams())
+            r.num_computed_tokens = 2  # a cached start: positions begin at 2
+            r.group_block_ids = [[off + 10 * i + j for j in range(3)] for off in (0, 50)]
+            r.block_ids = r.group_block_ids[0]
+            reqs.append(r)
+        ids, pos, meta, rows, _ = bufs.pack(ScheduledBatch(reqs, lens, 0))
+        views = [pos, rows, meta.seq_lens, meta.query_start_loc]
+        for m in [meta, *meta.group_views]:
+            views += [m.slot_mapping, m.block_tables]
+        assert all(v.data_ptr() % 16 == 0 for v in views), (n_reqs, lens)
+        assert pos.tolist() == [2 + k for n in lens for k in range(n)]
+        assert meta.seq_lens.tolist() == [2 + n for n in lens]
+        assert meta.query_start_loc.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+        for m, off in zip([meta, *meta.group_views], [0, 50]):
+            assert m.block_tables.tolist() == [[off + 10 * i + j for j in range(3)]
+                                               for i in range(n_reqs)]  # fmt: skip
+            assert m.slot_mapping.tolist() == [(off + 10 * i + p // bs) * bs + p % bs
+                                               for i, n in enumerate(lens)
+                                               for p in range(2, 2 + n)]  # fmt: skip

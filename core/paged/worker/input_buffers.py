@@ -19,6 +19,52 @@ from paged.scheduled import ScheduledBatch
 HEADER = 9  # ints describing a packed step: see InputBuffers.pack_host
 
 
+def _up(n: int, k: int) -> int:
+    return -(-n // k) * k
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a step's sections start in the two buffers (in elements). Each section, and each
+    KV group's slots and table, starts on a 16-byte boundary: a Triton kernel specialises a
+    pointer argument on 16-byte alignment, so a view whose alignment followed the step's sizes
+    (positions after an odd number of tokens, say) would be a kernel variant of its own, compiled
+    the first time a step met it: up to a second in the middle of serving."""
+
+    pos: int  # int64: token ids at 0, then positions
+    slots: int  # a KV group's slot mapping every `slot_stride`
+    slot_stride: int
+    rows: int  # logits rows
+    fills: int
+    copies: int
+    end64: int
+    seq: int  # int32: query_start_loc at 0, then seq_lens
+    tables: int  # a group's block table every `table_stride`
+    table_stride: int
+    end32: int
+
+    @classmethod
+    def of(cls, header: list[int], num_groups: int) -> Layout:
+        b, t, width, nl, nfill = header[:5]
+        ncopy, g = header[8], num_groups
+        pos = _up(t, 2)
+        slots = pos + _up(t, 2)
+        rows = slots + g * _up(t, 2)
+        fills = _up(rows + nl, 2)
+        copies = _up(fills + 2 * nfill, 2)
+        seq = _up(b + 1, 4)
+        tables = _up(seq + b, 4)
+        stride = _up(b * width, 4)
+        return cls(pos, slots, _up(t, 2), rows, fills, copies, copies + 2 * ncopy, seq, tables,
+                   stride, tables + g * stride)  # fmt: skip
+
+
+def buffer_sizes(max_tokens: int, max_reqs: int, max_blocks: int, g: int) -> tuple[int, int]:
+    """Elements of the int64 and int32 buffers for the largest step (with Layout's padding)."""
+    n64 = (3 + g) * max_tokens + 5 * max_reqs + 2 * (g + 6)
+    return n64, 2 * max_reqs + 1 + g * max_reqs * max_blocks + 4 * (g + 3)
+
+
 class InputBuffers:
     def __init__(
         self,
@@ -37,16 +83,13 @@ class InputBuffers:
         # int64: token ids | positions | slots per group | logits rows (sampling rows, then
         #        the prompt rows of prompt_logprobs requests) | placeholder fills (index, row)
         #        | block copies (sources, destinations: at most one per request)
-        # int32: qsl | seq_lens | table per group
+        # int32: qsl | seq_lens | table per group (each on a 16-byte boundary: Layout)
+        n64, n32 = buffer_sizes(max_tokens, max_reqs, max_blocks, g)
         self.sets = [
-            (
-                torch.zeros((3 + g) * max_tokens + 5 * max_reqs, dtype=torch.int64, pin_memory=pin),
-                torch.zeros(
-                    2 * max_reqs + 1 + g * max_reqs * max_blocks, dtype=torch.int32, pin_memory=pin
-                ),
-            )
+            (torch.zeros(n64, dtype=torch.int64, pin_memory=pin),
+             torch.zeros(n32, dtype=torch.int32, pin_memory=pin))
             for _ in range(2)
-        ]
+        ]  # fmt: skip
         self.copied: list = [None, None]  # per set: an event after its last copies, or None
         self.turn = 0
         self.block_copies: torch.Tensor | None = None  # the loaded step's [2, n] on the device
@@ -124,30 +167,28 @@ class InputBuffers:
             if r.num_pending and s + n > r.num_tokens - r.num_pending:
                 # Only the newest token can be pending when a step is scheduled.
                 fills.append((off - 1, prev_rows[r.request_id]))
-        n64[t : 2 * t] = positions
-        end = (2 + g) * t  # of the slots
-        n64[2 * t : end] = slots.ravel()
-        nl = len(last)
-        n64[end : end + nl] = last
+        copies, nl = batch.block_copies, len(last)
+        head = [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
+        header = [*head, len(copies)]
+        at = Layout.of(header, g)
+        n64[at.pos : at.pos + t] = positions
+        n64[at.slots : at.rows].reshape(g, at.slot_stride)[:, :t] = slots
+        n64[at.rows : at.rows + nl] = last
         if fills:
-            n64[end + nl : end + nl + 2 * len(fills)] = np.asarray(fills).T.ravel()
-        copies, at = batch.block_copies, end + nl + 2 * len(fills)
+            n64[at.fills : at.fills + 2 * len(fills)] = np.asarray(fills).T.ravel()
         if copies:
-            n64[at : at + 2 * len(copies)] = np.asarray(copies).T.ravel()
+            n64[at.copies : at.end64] = np.asarray(copies).T.ravel()
         n32 = self.i32.numpy()
         n32[0] = 0
         n32[1 : b + 1] = ends
-        n32[b + 1 : 2 * b + 1] = seq
-        n32[2 * b + 1 : 2 * b + 1 + g * b * width] = table.ravel()
-        head = [b, t, width, nl, len(fills), batch.num_decodes, int(q.max()), int(seq.max())]
-        return [*head, len(copies)]
+        n32[at.seq : at.seq + b] = seq
+        n32[at.tables : at.end32].reshape(g, at.table_stride)[:, : b * width] = table.reshape(g, -1)
+        return header
 
     def views(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The used part of the current host buffers (int64, int32) for a step's header."""
-        b, t, width, nl, nfill = header[:5]
-        ncopy, g = header[8], self.num_groups
-        i64 = self.i64[: (2 + g) * t + nl + 2 * nfill + 2 * ncopy]
-        return i64, self.i32[: 2 * b + 1 + g * b * width]
+        at = Layout.of(header, self.num_groups)
+        return self.i64[: at.end64], self.i32[: at.end32]
 
     def load(
         self, header: list[int]
@@ -158,30 +199,30 @@ class InputBuffers:
         ends = h32[1 : b + 1].numpy()
         d64, d32 = self.to_device(h64), self.to_device(h32)
         self.copied[self.turn ^ 1] = self.mark_copied()
-        g = self.num_groups
-        end = (2 + g) * t  # of the slots
-        tables, slots = d32[2 * b + 1 :].view(g, b, width), d64[2 * t : end].view(g, t)
+        g, at = self.num_groups, Layout.of(header, self.num_groups)
+        slots = d64[at.slots : at.rows].view(g, at.slot_stride)[:, :t]
+        tables = d32[at.tables : at.end32].view(g, at.table_stride)[:, : b * width]
+        tables = tables.view(g, b, width)
         meta = AttentionMetadata(
             num_reqs=b,
             num_decodes=num_decodes,
             num_tokens=t,
             query_start_loc=d32[: b + 1],
-            seq_lens=d32[b + 1 : 2 * b + 1],
+            seq_lens=d32[at.seq : at.seq + b],
             block_tables=tables[0],
             slot_mapping=slots[0],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_lens_cpu=np.diff(ends, prepend=0).tolist(),
-            seq_lens_cpu=h32[b + 1 : 2 * b + 1].tolist(),
+            seq_lens_cpu=h32[at.seq : at.seq + b].tolist(),
         )
         meta.group_views = [
             dataclasses.replace(meta, block_tables=tables[i], slot_mapping=slots[i], group_views=[])
             for i in range(1, g)
         ]
-        at = end + nl + 2 * nfill
-        fill = d64[end + nl : at].view(2, -1) if nfill else None
-        self.block_copies = d64[at:].view(2, -1) if ncopy else None
-        return d64[:t], d64[t : 2 * t], meta, d64[end : end + nl], fill
+        fill = d64[at.fills : at.fills + 2 * nfill].view(2, -1) if nfill else None
+        self.block_copies = d64[at.copies : at.end64].view(2, -1) if ncopy else None
+        return d64[:t], d64[at.pos : at.pos + t], meta, d64[at.rows : at.rows + nl], fill
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host.to(self.device, non_blocking=True)
