@@ -43,6 +43,8 @@ def test_groups_cover_the_step_in_order():
         assert m.block_tables.tolist() == meta.block_tables[r0 : r0 + m.num_reqs].tolist()
         assert m.slot_mapping.tolist() == list(range(t0, t0 + m.num_tokens))
         assert m.num_decodes == max(0, min(3, r0 + m.num_reqs) - r0)
+        # 16-byte aligned, as the step's own views: one Triton kernel variant per pointer
+        assert all(t.data_ptr() % 16 == 0 for t in (m.seq_lens, m.block_tables, m.slot_mapping))
         assert m.max_query_len == max(m.query_lens_cpu)
         got_rows += [t0 + r for r in g.rows]
         r0, t0 = r0 + m.num_reqs, t0 + m.num_tokens

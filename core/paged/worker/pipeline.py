@@ -57,6 +57,13 @@ def split_step(
     return out
 
 
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy where its data does not start on 16 bytes: a Triton kernel is compiled
+    per alignment of each pointer it gets (worker/input_buffers.Layout), so a group's slices
+    would otherwise make kernel variants of their own, compiled mid-serving."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def sub_metadata(meta: AttentionMetadata, r0: int, r1: int, t0: int, t1: int) -> AttentionMetadata:
     """The metadata of requests [r0, r1), whose tokens are [t0, t1) of the step."""
     q, s = meta.query_lens_cpu[r0:r1], meta.seq_lens_cpu[r0:r1]
@@ -65,9 +72,9 @@ def sub_metadata(meta: AttentionMetadata, r0: int, r1: int, t0: int, t1: int) ->
         num_decodes=max(0, min(meta.num_decodes, r1) - r0),  # decodes come first
         num_tokens=t1 - t0,
         query_start_loc=meta.query_start_loc[r0 : r1 + 1] - t0,
-        seq_lens=meta.seq_lens[r0:r1],
-        block_tables=meta.block_tables[r0:r1],
-        slot_mapping=meta.slot_mapping[t0:t1],
+        seq_lens=aligned(meta.seq_lens[r0:r1]),
+        block_tables=aligned(meta.block_tables[r0:r1]),
+        slot_mapping=aligned(meta.slot_mapping[t0:t1]),
         max_query_len=max(q),
         max_seq_len=max(s),
         query_lens_cpu=q,
@@ -101,7 +108,7 @@ def pipeline_forward(
     pending: list[Any] = []  # sends in flight (their tensors stay alive until they complete)
 
     def run(mb: MicroBatch, carried: tuple[torch.Tensor, ...] | None = None) -> Any:
-        ids, pos = input_ids[mb.tokens], positions[mb.tokens]
+        ids, pos = input_ids[mb.tokens], aligned(positions[mb.tokens])
         return model(ids, pos, plan_groups(backend, mb.meta), carried)
 
     if p.is_first_stage:
