@@ -341,8 +341,8 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         res["server_side_mean_ms"] = _means(before, _histograms(f"http://127.0.0.1:{port}/metrics"))
         print(f"[serve] server-side means (ms): {res['server_side_mean_ms']}", flush=True)
         after = _counters(f"http://127.0.0.1:{port}/metrics")
-        res["late_launch"] = {k: after[k] - counted.get(k, 0) for k in after}
-        print(f"[serve] late launch: {res['late_launch']}", flush=True)
+        res["engine_counters"] = {k: after[k] - counted.get(k, 0) for k in after}
+        print(f"[serve] engine counters: {res['engine_counters']}", flush=True)
     finally:
         _stop(server)
     return res
@@ -374,8 +374,8 @@ def _histograms(url: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in got.items()}
 
 
-# The engine's late-launch counters: steps launched at a deadline, and those that came late.
-_COUNTED = ("late_launches", "late_launches_missed")
+# Engine counters: steps launched at a deadline, those that came late, kernels compiled.
+_COUNTED = ("late_launches", "late_launches_missed", "kernel_compiles")
 
 
 def _counters(url: str) -> dict[str, float]:

@@ -61,3 +61,19 @@ def test_reports_stop_after_max(caplog, monkeypatch):
         assert "further compilations are not logged" in caplog.records[-1].getMessage()
     finally:
         watch.stop()
+
+
+def test_engine_counts_compilations_in_its_metrics(tiny_models):
+    """/metrics' paged:kernel_compiles: the engine's watch's count (0 without a watch)."""
+    from paged import LLM
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB")
+    engine = llm.engine
+    assert engine.metrics()["kernel_compiles"] == 0
+    engine.compile_watch = compile_watch.watch_compiles()
+    try:
+        triton_compiles("_rotary_kernel")
+        assert engine.metrics()["kernel_compiles"] == 1
+    finally:
+        engine.shutdown()
+    assert engine.compile_watch is None and knobs.runtime.jit_post_compile_hook is None

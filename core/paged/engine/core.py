@@ -273,6 +273,7 @@ class EngineCore:
             "kv_window_released_blocks": self.kv.num_window_released,
             "late_launches": self.clock.launches,
             "late_launches_missed": self.clock.missed,
+            "kernel_compiles": self.compile_watch.compiled if self.compile_watch else 0,
             **(self.spec.metrics() if self.spec is not None else {}),
         }
 

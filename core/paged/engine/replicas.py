@@ -51,7 +51,8 @@ STABLE_S = 60.0  # a replica up this long starts a new streak when it dies
 START_TIMEOUT_S = 600.0  # for a restarted replica to be ready
 # EngineCore.metrics() counters: a restarted replica's continue from its previous engine's.
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens",
-            "num_preemptions", "late_launches", "late_launches_missed")  # fmt: skip
+            "num_preemptions", "late_launches", "late_launches_missed",
+            "kernel_compiles")  # fmt: skip
 
 def _load_once(load: Callable[[], Any] | None) -> Callable[[], Any] | None:
     """One tokenizer for every replica: the first caller loads it, the others wait for it."""

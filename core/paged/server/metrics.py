@@ -66,6 +66,11 @@ _ENGINE = {
         "of those, steps launched after the step in flight had ended (the device idled)",
         1,
     ),
+    "kernel_compiles": (
+        "paged:kernel_compiles",
+        "Triton kernels compiled after the start-up warm-up (each stalls the running requests)",
+        1,
+    ),
     "spec_decode_num_drafts": (
         "paged:spec_decode_num_drafts",
         "speculative decoding: verifications (a request's proposals in one step)",
