@@ -329,8 +329,7 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         if _shape(args.model):  # no tokenizer: random token ids
             base += ["--vocab-size", _shape(args.model)["vocab_size"]]
         run("serve-warmup", paged("bench", "serve", *base, "--num-prompts", 8), 60, logs, echo=3)
-        before = _histograms(f"http://127.0.0.1:{port}/metrics")
-        counted = _counters(f"http://127.0.0.1:{port}/metrics")
+        before, counted = _scrape(f"http://127.0.0.1:{port}/metrics")
         path = out / "serve.json"
         cmd = paged("bench", "serve", *base, "--request-rate", args.serve_rate,
                     "--num-prompts", args.serve_prompts, "--save-json", path)  # fmt: skip
@@ -338,9 +337,9 @@ def phase_serve(args, out: Path, timeout: float) -> dict:
         left = timeout - (time.monotonic() - t0) - 25
         res["rc"] = run("serve", cmd, max(10.0, left), logs)
         res |= _load(path)
-        res["server_side_mean_ms"] = _means(before, _histograms(f"http://127.0.0.1:{port}/metrics"))
+        hist, after = _scrape(f"http://127.0.0.1:{port}/metrics")
+        res["server_side_mean_ms"] = _means(before, hist)
         print(f"[serve] server-side means (ms): {res['server_side_mean_ms']}", flush=True)
-        after = _counters(f"http://127.0.0.1:{port}/metrics")
         res["engine_counters"] = {k: after[k] - counted.get(k, 0) for k in after}
         print(f"[serve] engine counters: {res['engine_counters']}", flush=True)
     finally:
@@ -355,15 +354,23 @@ _SPLIT = ("request_queue_time_seconds", "request_prefill_time_seconds",
           "time_to_first_token_seconds", "inter_token_latency_seconds")  # fmt: skip
 
 
-def _histograms(url: str) -> dict[str, tuple[float, float]]:
-    """{histogram: (sum, count)} of _SPLIT from the server's /metrics."""
+# Engine counters: steps launched at a deadline, those that came late, kernels compiled.
+_COUNTED = ("late_launches", "late_launches_missed", "kernel_compiles")
+
+
+def _scrape(url: str) -> tuple[dict[str, tuple[float, float]], dict[str, float]]:
+    """From one read of the server's /metrics: {histogram: (sum, count)} of _SPLIT and
+    {counter: total} of _COUNTED."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     got: dict[str, list[float]] = {}
+    counters: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         name = fam.name.removeprefix("paged:")
+        if name in _COUNTED:
+            counters[name] = sum(x.value for x in fam.samples if x.name.endswith("_total"))
         if name in _SPLIT:
             for sample in fam.samples:
                 entry = got.setdefault(name, [0.0, 0.0])
@@ -371,25 +378,12 @@ def _histograms(url: str) -> dict[str, tuple[float, float]]:
                     entry[0] += sample.value
                 elif sample.name.endswith("_count"):
                     entry[1] += sample.value
-    return {k: (v[0], v[1]) for k, v in got.items()}
+    return {k: (v[0], v[1]) for k, v in got.items()}, counters
 
 
-# Engine counters: steps launched at a deadline, those that came late, kernels compiled.
-_COUNTED = ("late_launches", "late_launches_missed", "kernel_compiles")
-
-
-def _counters(url: str) -> dict[str, float]:
-    """{counter: total} of _COUNTED from the server's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    got = {}
-    for fam in text_string_to_metric_families(text):
-        name = fam.name.removeprefix("paged:")
-        if name in _COUNTED:
-            got[name] = sum(x.value for x in fam.samples if x.name.endswith("_total"))
-    return got
+def _histograms(url: str) -> dict[str, tuple[float, float]]:
+    """{histogram: (sum, count)} of _SPLIT from the server's /metrics."""
+    return _scrape(url)[0]
 
 
 def _means(before: dict, after: dict) -> dict[str, float]:

@@ -411,7 +411,7 @@ def client_args(args: argparse.Namespace, url: str, seed: int, rate: float) -> a
 def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: str, seed: int,
             rate: float) -> dict[str, Any]:  # fmt: skip
     """One benchmark() pass against a running server, and what it cost."""
-    from h200 import _counters, _histograms, _means
+    from h200 import _means, _scrape
 
     from paged.cli import bench_serve
     from paged.cli.bench_prompts import random_prompts
@@ -419,7 +419,7 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
     cargs = client_args(args, url, seed, rate)
     prompts = random_prompts(cargs)
     _get(url + "/_bench/timeline")
-    before, counted = _histograms(url + "/metrics"), _counters(url + "/metrics")
+    before, counted = _scrape(url + "/metrics")
     cpu0 = [_cpu_s(p) for p in pids] + [_self_cpu_s(), _host_busy_s()]
     send = bench_serve.send
     if client == "raw":
@@ -432,8 +432,9 @@ def measure(args: argparse.Namespace, url: str, pids: tuple[int, int], client: s
         bench_serve.send = send  # type: ignore[assignment]
     cpu1 = [_cpu_s(p) for p in pids] + [_self_cpu_s(), _host_busy_s()]
     server_s, core_s, client_s, host_s = (b - a for a, b in zip(cpu0, cpu1))
-    means = _means(before, _histograms(url + "/metrics"))
-    late = {k: v - counted.get(k, 0) for k, v in _counters(url + "/metrics").items()}
+    hist, after = _scrape(url + "/metrics")
+    means = _means(before, hist)
+    late = {k: v - counted.get(k, 0) for k, v in after.items()}
     times = _get(url + "/_bench/timeline")
     toks = max(res["total_output_tokens"], 1)
     out = {k: res[k] for k in ("completed", "failed", "duration_s", "total_output_tokens",
