@@ -187,7 +187,9 @@ class InputBuffers:
 
     def views(self, header: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The used part of the current host buffers (int64, int32) for a step's header."""
-        at = Layout.of(header, self.num_groups)
+        return self._used(Layout.of(header, self.num_groups))
+
+    def _used(self, at: Layout) -> tuple[torch.Tensor, torch.Tensor]:
         return self.i64[: at.end64], self.i32[: at.end32]
 
     def load(
@@ -195,11 +197,11 @@ class InputBuffers:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor | None]:
         """Copy the current host buffers to the device; the step's tensors as `pack` returns."""
         b, t, width, nl, nfill, num_decodes, max_query_len, max_seq_len, ncopy = header
-        h64, h32 = self.views(header)
+        g, at = self.num_groups, Layout.of(header, self.num_groups)
+        h64, h32 = self._used(at)
         ends = h32[1 : b + 1].numpy()
         d64, d32 = self.to_device(h64), self.to_device(h32)
         self.copied[self.turn ^ 1] = self.mark_copied()
-        g, at = self.num_groups, Layout.of(header, self.num_groups)
         slots = d64[at.slots : at.rows].view(g, at.slot_stride)[:, :t]
         tables = d32[at.tables : at.end32].view(g, at.table_stride)[:, : b * width]
         tables = tables.view(g, b, width)
