@@ -89,6 +89,11 @@ class Platform:
     default_max_num_seqs: ClassVar[int] = 256
     # Kernels compile on first use (Triton): warm them up at start-up (paged.engine.warmup).
     kernel_warmup: ClassVar[bool] = False
+    # Environment variables that choose which of this host's devices a process sees, the one
+    # read first: replicas on one host get disjoint slices of the devices it lists (of 0..n-1
+    # when none is set), each slice written to all of them (paged.engine.placement). Empty:
+    # its replicas cannot be given devices of their own (the CPU).
+    device_masks: ClassVar[tuple[str, ...]] = ()
     # What this platform cannot run, by name; a model class lists what it needs in its
     # `requires` (e.g. "dynamic_shapes": matmuls sized by data, as mixture-of-experts routing
     # does) and is refused at start-up on a platform lacking one (paged.model.registry).

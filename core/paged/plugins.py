@@ -162,6 +162,17 @@ class NoPlatformError(RuntimeError):
     pass
 
 
+def platform_class(name: str | None = None) -> type[Platform] | None:
+    """The class select_platform would use, without creating it: the forced platform's
+    (argument or PAGED_PLATFORM; None when no plugin has that name), else the best available
+    one (None when none is)."""
+    name = name or os.environ.get(PLATFORM_ENV) or None
+    if name:
+        found = _platform_table()[0].get(name)
+        return found[0] if found else None
+    return next((r.cls for r in probe_platforms() if r.available and r.cls), None)
+
+
 def select_platform(name: str | None = None) -> Platform:
     """The forced platform (argument or PAGED_PLATFORM), else the best available one."""
     name = name or os.environ.get(PLATFORM_ENV) or None

@@ -104,21 +104,27 @@ def test_replicas_on_different_platforms_are_refused():
     assert "different platforms (cuda, cpu)" in rs.dead
 
 
+CUDA = EngineConfig(platform="cuda")
+
+
 def test_placements_split_cores_and_devices(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    ps = placements(EngineConfig(), 2)
+    ps = placements(CUDA, 2)
     assert [p.cpus for p in ps] == [(0, 1), (2, 3, 4)] and [p.threads for p in ps] == [2, 3]
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in ps] == ["4", "5"]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert [p.threads for p in placements(EngineConfig(), 2)] == [1, 1]
-    ps = placements(EngineConfig(), 8)  # more replicas than cores: not pinned, one thread
+    assert [p.threads for p in placements(CUDA, 2)] == [1, 1]
+    ps = placements(CUDA, 8)  # more replicas than cores: not pinned, one thread
     assert all(p.cpus is None and p.threads == 1 for p in ps)
     assert ps[3].env["CUDA_VISIBLE_DEVICES"] == ""  # no device left for it
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    ps = placements(EngineConfig(), 20_000)  # linear in the count (was quadratic: a hang)
+    ps = placements(CUDA, 20_000)  # linear in the count (was quadratic: a hang)
     assert ps[-1].env["CUDA_VISIBLE_DEVICES"] == "19999" and ps[-1].cpus is None
+    assert ps[1].describe() == "replica 1: cores any, 1 threads; CUDA_VISIBLE_DEVICES=1"
+    # the CPU platform takes no devices: its replicas see what the server sees
+    assert "CUDA_VISIBLE_DEVICES" not in placements(EngineConfig(platform="cpu"), 2)[1].env
 
 
 def test_one_replica_is_a_plain_engine():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -259,12 +258,13 @@ def check_size(fleet: Fleet, configs: list[EngineConfig]) -> None:
     (placement.check_local_replicas: too many per core, or more devices than it shows), at
     the count of the group that overflows."""
     from paged.engine.placement import check_local_replicas
+    from paged.plugins import platform_class
 
-    groups: list[tuple[str | None, str, int, int]] = []
+    groups: list[tuple[str, Any, int, int]] = []
     k = 0
     for i, g in enumerate(fleet.replicas):
         cfg = configs[k]
-        groups.append((g.platform, _device_type(g.platform), cfg.world_size, g.count))
+        groups.append((g.platform, platform_class(g.platform), cfg.world_size, g.count))
         k += g.count
         try:
             check_local_replicas(groups)
@@ -297,21 +297,6 @@ def group_configs(fleet: Fleet, base: EngineConfig, name: str = "<fleet>") -> li
     return out
 
 
-def _device_type(platform: str) -> str:
-    """The platform's torch device type ("cpu" for an unknown one: it takes no devices)."""
-    from paged.plugins import all_platforms
-
-    for cls in all_platforms():
-        if cls.name == platform:
-            return getattr(cls, "device_type", "cpu")
-    return "cpu"
-
-
-def _uses_devices(platform: str) -> bool:
-    """Whether replicas of this platform take devices of their own (cpu-type ones do not)."""
-    return _device_type(platform) != "cpu"
-
-
 def build_fleet(
     fleet: Fleet,
     base: EngineConfig,
@@ -333,11 +318,10 @@ def build_fleet(
     load = _load_once(tokenizer_loader)
     if ray_address:
         return _ray_fleet(fleet, configs, log_level, load, faults, router, name, ray_address)
-    return _local_fleet(base, configs, log_level, load, faults, router)
+    return _local_fleet(configs, log_level, load, faults, router)
 
 
 def _local_fleet(
-    base: EngineConfig,
     configs: list[EngineConfig],
     log_level: str,
     load: Any,
@@ -345,25 +329,15 @@ def _local_fleet(
     router: str,
 ) -> Any:
     from paged.engine.async_engine import AsyncEngine
-    from paged.engine.placement import DEVICE_VARS, placements
+    from paged.engine.placement import assign_devices, cores
     from paged.engine.replicas import Replica, ReplicaSet
+    from paged.plugins import platform_class
 
-    shares = placements(base, len(configs))
-    used = 0  # devices handed out so far, in order of the visible ones
-    visible = {var: os.environ.get(var) for var in DEVICE_VARS}
-    ids = {var: seen.split(",") if seen else None for var, seen in visible.items()}
-    devices = {p: _uses_devices(p) for p in {c.platform or "" for c in configs}}
+    shares = cores(len(configs))
+    classes = {name: platform_class(name) for name in {c.platform for c in configs}}
+    assign_devices(shares, [classes[c.platform] for c in configs], [c.world_size for c in configs])
     replicas = []
     for p, cfg in zip(shares, configs):
-        for var in DEVICE_VARS:
-            p.env.pop(var, None)
-        if devices[cfg.platform or ""]:
-            w = cfg.world_size
-            for var in DEVICE_VARS:
-                seen = ids[var]
-                mine = range(used, used + w) if seen is None else seen[used : used + w]
-                p.env[var] = ",".join(map(str, mine))
-            used += w
 
         def factory(cfg: EngineConfig = cfg, p: Any = p) -> AsyncEngine:
             return AsyncEngine(

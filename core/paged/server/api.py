@@ -202,12 +202,12 @@ def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
         return 2
     elif config.data_parallel_size > 1:
         from paged.engine.placement import check_local_replicas
+        from paged.plugins import platform_class
 
         try:  # before anything starts: a count this host cannot run is refused at once
-            kind = _device_type(config.platform)
-            check_local_replicas(
-                [(config.platform, kind, config.world_size, config.data_parallel_size)]
-            )
+            cls = platform_class(config.platform)
+            name = cls.name if cls else config.platform or "?"
+            check_local_replicas([(name, cls, config.world_size, config.data_parallel_size)])
         except ValueError as e:
             log.error("invalid configuration: data_parallel_size: %s", e)
             return 2
@@ -259,16 +259,6 @@ def _check_fleet(args: argparse.Namespace, config: EngineConfig, check_model: An
         log.error("invalid fleet file: %s", e)
         return None
     return fleet
-
-
-def _device_type(platform: str | None) -> str:
-    """The forced platform's device type; "cpu" when none is forced (which one is found is
-    known only in the engine: then only the cores bound the replicas here)."""
-    if not platform:
-        return "cpu"
-    from paged.engine.fleet import _device_type as device_type
-
-    return device_type(platform)
 
 
 def run_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -16,6 +16,7 @@ class CudaPlatform(AcceleratorPlatform):
     device_type = "cuda"
     priority = 100
     dist_backend = "nccl"
+    device_masks = ("CUDA_VISIBLE_DEVICES",)
     options = (
         PlatformOption(
             "cuda_gguf_blocks",

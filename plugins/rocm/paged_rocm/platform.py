@@ -49,6 +49,9 @@ class RocmPlatform(AcceleratorPlatform):
     device_type = "cuda"  # HIP devices are torch's "cuda" device type (and module) on ROCm
     priority = 100  # a torch build is either CUDA or ROCm, so this never ties with cuda
     dist_backend = "nccl"  # RCCL, registered under the NCCL name in ROCm builds of torch
+    # HIP's mask, else CUDA's (which HIP also honours); a replica's slice goes to both, so
+    # sync_visible_devices finds them equal. ROCR_VISIBLE_DEVICES, when set, narrows first.
+    device_masks = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
     @classmethod
     def probe(cls) -> str | None:

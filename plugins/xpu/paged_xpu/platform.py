@@ -49,6 +49,7 @@ class XpuPlatform(AcceleratorPlatform):
     device_type = "xpu"
     priority = 90  # below cuda/rocm (a torch build has one GPU backend), above cpu
     dist_backend = "xccl"
+    device_masks = ("ZE_AFFINITY_MASK",)
     options = (
         PlatformOption(
             "xpu_attention",
