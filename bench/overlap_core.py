@@ -67,9 +67,9 @@ class SimCore:
         return bool(self.seqs) or self.inflight is not None
 
     def launch_deadline(self) -> float | None:
-        if self.inflight is None or not self.config.late_launch:
-            return None
-        return self.clock.deadline(time.perf_counter())
+        from paged.engine.core import EngineCore
+
+        return EngineCore.launch_deadline(self)  # type: ignore[arg-type]  # its fields alike
 
     def metrics(self) -> dict[str, float]:
         stats = core_stats(self.seqs.values(), self.config.block_size, self.totals)
