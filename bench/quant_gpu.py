@@ -2,7 +2,7 @@
 
     python bench/quant_gpu.py [--model llama-3.1-8b] [--variants none,fp8,awq]
         [--gemm-rows 1,4,16,32,64,256] [--sweep int4,int8] [--skip-gemm] [--skip-engine]
-        [--gguf default]
+        [--gguf default|FILE|synthetic:Q4_0] [--variants gguf-blocks --gguf synthetic:Q8_0]
 
 1. GEMMs alone (triton's do_bench_cudagraph, median): one decoder layer's four projections
    (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) at M rows, times the
@@ -18,7 +18,8 @@
 2. The engine: `paged bench latency` (batch 1, 128 in / 128 out: decode ms/token) and
    `paged bench throughput` (1000 prompts, 256 in / 256 out: total tok/s) per
    `--quantization` variant (none = bf16; fp8 quantized at load; awq = int4 random weights);
-   with `--gguf FILE|default` also that GGUF with its Q4 / Q8_0 blocks kept on the GPU vs dense.
+   with `--gguf FILE|default` also that GGUF with its Q4 / Q8_0 blocks kept on the GPU vs dense
+   (`synthetic:TYPE`: a GGUF of random TYPE blocks in --model's shape, bench/synthetic_gguf.py).
 3. fp8 accuracy (the issue's floor): the default model in bf16 and with --quantization fp8,
    64 chats, 64 greedy tokens: tokens equal position by position (floor 90 %), identical
    outputs, and the fp8 engine's logprob of bf16's tokens against bf16's own (drift).
@@ -429,8 +430,10 @@ def main() -> int:
     a(
         "--gguf",
         default=None,
-        help="also a GGUF file with Q4_0/Q4_1/Q8_0 tensors: its "
-        "blocks on the GPU (gguf-blocks) vs dense (gguf-dense); 'default': the default model",
+        help="also a GGUF file with Q4_0/Q4_1/Q8_0 tensors: its blocks on the GPU (variant "
+        "gguf-blocks) vs dense (gguf-dense; both unless --variants names one); 'default': the "
+        "default model; 'synthetic:Q4_0' (Q4_1, Q8_0): random blocks in --model's shape, "
+        "written by bench/synthetic_gguf.py",
     )
     a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
     a("--timeout", type=float, default=900)
@@ -463,6 +466,12 @@ def main() -> int:
         from paged.model.loader import default_model_path
 
         args.gguf = default_model_path()
+    elif args.gguf and args.gguf.startswith("synthetic:"):
+        from synthetic_gguf import write
+
+        kind = args.gguf.split(":", 1)[1].upper()
+        path = Path(tempfile.gettempdir()) / f"{args.model}-synthetic-{kind.lower()}.gguf"
+        args.gguf = str(write(args.model, kind, str(path)))
 
     gemms = (
         []
@@ -476,7 +485,7 @@ def main() -> int:
     if not args.skip_engine:
         with tempfile.TemporaryDirectory() as tmp:
             variants = args.variants.split(",")
-            if args.gguf:
+            if args.gguf and not any(v.startswith("gguf") for v in variants):
                 variants += ["gguf-blocks", "gguf-dense"]
             for v in variants:
                 engine.append(engine_bench(args, v, Path(tmp)))
