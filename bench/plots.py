@@ -82,7 +82,8 @@ def date_of(title: str) -> str:
 def cpu_throughput(plt) -> Path:
     """bench/results/cpu.md: each offline-throughput run, paged's best 64-prompt figure against
     the best HF transformers configuration and llama.cpp (batched, where the run had it)."""
-    runs = [s for s in sections("cpu.md") if s.title.startswith("Offline throughput")]
+    runs = [s for s in sections("cpu.md")
+            if s.title.startswith("Offline throughput, SmolLM2")]  # fmt: skip  (the default model)
     labels, ours, hf, lcpp = [], [], [], []
     for s in runs:
         t = s.tables[0]

@@ -6,9 +6,9 @@ the GGUF paths where no real file can be had (the GPU machine downloads nothing)
 
 Every linear, the embedding and the head are blocks of --type (Q4_0, Q4_1 or Q8_0: random codes,
 one scale per block chosen so the weights have a standard deviation near 0.02); the norms are
-ones in float32. The tokenizer is GPT-2's byte-level BPE without merges (every byte a token,
-the rest of the vocabulary filler), enough to turn any text into ids: the figures are about
-the weights.
+ones in float32. The tokenizer is GPT-2's byte-level BPE with every byte a token and one
+merge (bytes 0 and 1), the rest of the vocabulary filler: enough to turn any text into ids,
+in paged and in llama.cpp. The figures are about the weights.
 """
 
 from __future__ import annotations
@@ -109,10 +109,12 @@ def write(shape: str, kind: str, path: str, seed: int = 0, layers: int | None = 
     v = cfg["vocab_size"]
     byte_tokens = byte_level_alphabet()
     w.add_tokenizer_model("gpt2")
-    w.add_token_list(byte_tokens + [f"<filler{i}>" for i in range(v - 256)])
+    # one merge, of bytes 0 and 1 (llama.cpp refuses a BPE vocabulary without merges)
+    pair = byte_tokens[0] + byte_tokens[1]
+    w.add_token_list(byte_tokens + [pair] + [f"<filler{i}>" for i in range(v - 257)])
     w.add_token_types([1] * v)
     w.add_token_scores([0.0] * v)
-    w.add_token_merges([])
+    w.add_token_merges([f"{byte_tokens[0]} {byte_tokens[1]}"])
     eos = cfg.get("eos_token_id")
     w.add_bos_token_id(cfg.get("bos_token_id") or 1)
     w.add_eos_token_id((eos[0] if isinstance(eos, list) else eos) or 2)

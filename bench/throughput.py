@@ -2,6 +2,8 @@
 
     bash bench/install_llama_cpp.sh   # once: llama-cpp-python from source, wheel cached
     python bench/throughput.py [--num-prompts 64] [--max-tokens 128] [--repeat 2]
+    python bench/throughput.py --model 8b-q4_0.gguf --gguf-only --num-prompts 8 --max-tokens 32
+        # a large GGUF (bench/synthetic_gguf.py writes one in the Llama-3.1-8B shape)
 
 Greedy, every request generates exactly --max-tokens tokens (end-of-sequence ignored) so all
 engines do the same work. Two comparisons, each on the same arithmetic:
@@ -17,6 +19,7 @@ import argparse
 import copy
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -77,6 +80,9 @@ def bench_hf_generate_batch(model, gc, prompts: list[list[int]], max_tokens: int
     return n / (time.perf_counter() - t)
 
 
+DEFAULT = "SmolLM2-135M-Instruct Q4_1 GGUF"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -84,6 +90,11 @@ def main() -> None:
     ap.add_argument("--hf-batch", default="32,64", help="HF padded batch sizes to try")
     ap.add_argument("--batch1-prompts", type=int, default=2, help="prompts for batch-1 runs")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--model", help="a GGUF file (default: the default model's); one without "
+                    "a chat template gets the chats' last messages as plain prompts")  # fmt: skip
+    ap.add_argument("--gguf-only", action="store_true",
+                    help="only the GGUF block path and llama.cpp (no dense or HF runs: for a "
+                    "model whose dense weights do not fit in memory)")  # fmt: skip
     ap.add_argument(
         "--repeat",
         type=int,
@@ -92,12 +103,14 @@ def main() -> None:
         "best of its passes (a shared host's speed drifts during a run)",
     )
     args = ap.parse_args()
-    path = default_model_path()
+    path = args.model or default_model_path()
     from paged.model.loader import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(path))
     prompts = [
         tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        if tok.chat_template
+        else c[-1]["content"]
         for c in chat_prompts(args.num_prompts)
     ]
     ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
@@ -126,6 +139,8 @@ def main() -> None:
         record(f"{quant}, batch 1 ({b1} prompts)", _batch1(path, ids[:b1], m))
         record(f"llama.cpp (same GGUF), batch 1 ({b1} prompts)",
                llama_cpp_throughput(path, ids[:b1], m, batch=1))  # fmt: skip
+        if args.gguf_only:
+            continue
         record(f"{dense}, {n} prompts x {m} tokens",
                bench_paged(path, ids, m, "bfloat16", cpu_gguf_blocks=False))  # fmt: skip
         if first:
@@ -168,7 +183,7 @@ def main() -> None:
           [f"llama.cpp (same GGUF), batch 1 ({b1} prompts)"])  # fmt: skip
     write_results(
         "cpu.md",
-        f"Offline throughput, SmolLM2-135M-Instruct Q4_1 GGUF, {n} chat "
+        f"Offline throughput, {Path(path).name if args.model else DEFAULT}, {n} chat "
         f"prompts x {m} new tokens, greedy"
         + (f", best of {args.repeat} passes" if args.repeat > 1 else ""),
         rows,

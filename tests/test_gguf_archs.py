@@ -314,17 +314,9 @@ def test_ollama_gemma3_layout(tmp_path, layers):
 def _reference_blocks_platform():
     """The CPU platform with the GGUF's block layers as paged.quantization.gguf keeps them
     (the cuda plugin's path, torch reference ops): exact in float32."""
-    from paged_cpu.platform import CpuPlatform
+    from gguf_blocks_platform import blocks_platform
 
-    class GgufBlocksOnCpu(CpuPlatform):
-        name = "gguf-blocks-on-cpu"
-
-        def prepare_model(self, model, config, source=None) -> None:
-            from paged.quantization.gguf import use_gguf_blocks
-
-            self.replaced = use_gguf_blocks(model, source, model.config)
-
-    return GgufBlocksOnCpu()
+    return blocks_platform()
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "phi35"])

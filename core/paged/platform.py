@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from paged.config import EngineConfig
     from paged.model.attention import AttentionBackend
+    from paged.quantization.gguf import BlockLayerFactory
     from paged.worker.step_runner import StepRunner
 
 log = logging.getLogger("paged")
@@ -147,6 +148,13 @@ class Platform:
         from paged.worker.step_runner import StepRunner
 
         return StepRunner
+
+    def gguf_block_layer(self, config: EngineConfig) -> BlockLayerFactory | None:
+        """Where this platform computes a GGUF's Q4/Q5/Q6/Q8 tensors from their blocks under
+        `config`: the factory of its block layers (paged.quantization.gguf), which the model
+        gets in place of its dense linears; those weights are then never dequantized. None
+        (the default): every weight is loaded dequantized."""
+        return None
 
     def prepare_model(self, model: torch.nn.Module, config: EngineConfig, source=None) -> None:
         """After the weights are loaded (from `source`, a ModelSource, None for dummy weights):

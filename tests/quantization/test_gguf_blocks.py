@@ -1,5 +1,5 @@
 """A GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K layers kept as 4- and 8-bit blocks
-(paged.quantization.gguf, what the cuda plugin's prepare_model does), on CPU: greedy output
+(paged.quantization.gguf, the cuda plugin's block layers), on CPU: greedy output
 token-identical to the dense load of the same file in float32, through the torch reference
 and through the Triton int4 kernels (interpreted); Q6_K's blocks decoded as gguf-py does."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf_blocks_platform import blocks_platform
 from quant_ckpt import write_k_gguf, write_q4_gguf
 
 from paged import LLM, SamplingParams
@@ -18,25 +19,13 @@ CPU_BLOCKS = gguf_blocks_available()
 
 
 def _platform(triton: bool):
-    from paged_cpu.platform import CpuPlatform
+    def kernels() -> dict:
+        from paged.kernels.ops import triton_fused_ops
 
-    class GgufBlocksOnCpu(CpuPlatform):
-        name = "gguf-blocks-on-cpu"
+        table = triton_fused_ops()
+        return {k: table[k] for k in ("int4_linear", "int8_linear")}
 
-        def prepare_model(self, model, config, source=None) -> None:
-            from paged.quantization.gguf import use_gguf_blocks
-
-            self.replaced = use_gguf_blocks(model, source, model.config)
-
-        def ops(self):
-            if not triton:
-                return super().ops()
-            from paged.kernels.ops import triton_fused_ops
-
-            table = triton_fused_ops()
-            return {k: table[k] for k in ("int4_linear", "int8_linear")}
-
-    return GgufBlocksOnCpu()
+    return blocks_platform(kernels if triton else None)
 
 
 @pytest.fixture(scope="module", params=["q4", "q8", "k"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -174,7 +174,11 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(
+    path: str, config: Any, progress: bool = True, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors dequantized to float32, HF-named; `keep`: which names to read (the
+    others are not dequantized)."""
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
@@ -184,7 +188,7 @@ def iter_gguf(path: str, config: Any, progress: bool = True) -> Iterator[tuple[s
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", disable=not progress):
         name = hf_name(t.name, arch)
-        if name is None:
+        if name is None or (keep is not None and not keep(name)):
             continue
         try:
             w = dequantize(t.data, t.tensor_type)

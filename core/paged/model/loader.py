@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -219,24 +219,41 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None) -> Any:
 
 
 def iter_weights(
-    src: ModelSource, config: PretrainedConfig, progress: bool = True
+    src: ModelSource,
+    config: PretrainedConfig,
+    progress: bool = True,
+    skip: Collection[str] = (),
+    only: Collection[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) pairs: safetensors in the file's dtype, GGUF as float32."""
+    """(HF parameter name, tensor) pairs: safetensors in the file's dtype, GGUF as float32;
+    read as iterated. `skip` / `only`: names left out / the only ones read (a GGUF's others
+    are not dequantized; its dequantized weights are cached per `skip`, not with `only`)."""
+    keep = None
+    if skip or only is not None:
+        keep = lambda name: name not in skip and (only is None or name in only)  # noqa: E731
     if src.kind == "hf":
         from paged.model.hf_loader import iter_safetensors
 
-        return iter_safetensors(src.path, progress)
+        yield from (p for p in iter_safetensors(src.path, progress) if keep is None or keep(p[0]))
+        return
     from paged.model.gguf_loader import iter_gguf
     from paged.model.hf_loader import iter_safetensors
 
-    # Dequantizing is slow (metadata parse + numpy): keep the float32 result as safetensors.
+    if only is not None:  # a few tensors: dequantized now, not cached
+        yield from iter_gguf(src.path, config, progress, keep)
+        return
+    # Dequantizing is slow (metadata parse + numpy): keep the float32 result as safetensors,
+    # per set of tensors left out (those a platform computes from their blocks).
+    kind = "weights"
+    if skip:
+        kind += "-less-" + hashlib.sha256("\n".join(sorted(skip)).encode()).hexdigest()[:12]
     obj = _cached(
-        "weights",
+        kind,
         src.path,
         load=lambda d: iter_safetensors(d, progress),
-        build=lambda: _Tensors(iter_gguf(src.path, config, progress)),
+        build=lambda: _Tensors(iter_gguf(src.path, config, progress, keep)),
     )
-    return iter(obj.items()) if isinstance(obj, _Tensors) else obj
+    yield from (obj.items() if isinstance(obj, _Tensors) else obj)
 
 
 def iter_weight_blocks(

@@ -10,8 +10,9 @@ types (Q3_K, Q2_K, ...) stay dense."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -80,46 +81,126 @@ def block_layer(
     return layer
 
 
+BlockLayerFactory = Callable[
+    [nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.device], nn.Module | None
+]
+"""A platform's layer computing from a GGUF tensor's blocks: (the dense module it would
+replace, codes, d, m, device) -> the layer, or None where it keeps that module dense."""
+
+
+def int_block_layer(
+    mod: nn.Module, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, device: torch.device
+) -> QuantLinear | None:
+    """A BlockLayerFactory: block_layer on `device` in place of a plain linear layer whose
+    whole weight the blocks give (the kernels of paged.kernels: the cuda plugin's)."""
+    if type(mod) is not nn.Linear or codes.shape != mod.weight.shape:
+        return None
+    return block_layer(codes.to(device), d.to(device), m.to(device), mod.bias)
+
+
+def gguf_block_arrays(source, hf_config) -> dict[str, tuple[torch.Tensor, ...]]:
+    """{HF weight name: (codes, d, m)} of the GGUF model `source`'s block tensors
+    (iter_weight_blocks' form: weight = code * d + m per group of K / d.shape[1] columns)."""
+    from paged.model.loader import iter_weight_blocks
+
+    return {name: tuple(arrays) for name, *arrays in iter_weight_blocks(source, hf_config)}
+
+
+def block_pieces(
+    model: nn.Module, quant: dict[str, tuple[torch.Tensor, ...]], tied_head: bool = False
+) -> dict[str, list[str]]:
+    """{module path of `model`: the HF weight names of `quant` stacked in it, in stacking
+    order} for each module whose pieces include a block tensor. `tied_head`: the embedding's
+    blocks are the output head's too."""
+    stacked = getattr(model, "stacked", {})
+    pieces: dict[str, list[str]] = {}
+    for name in quant:
+        hf = name.removeprefix("model.").removesuffix(".weight")
+        target = "lm_head" if tied_head and hf == "embed_tokens" else hf
+        for frag, (into, _) in stacked.items():
+            if target.endswith("." + frag):
+                target = target[: -len(frag)] + into
+        pieces.setdefault(target, []).append(name)
+    order = {frag: idx for frag, (_, idx) in stacked.items()}
+    out = {}
+    for target, names in pieces.items():
+        try:
+            model.get_submodule(target)
+        except AttributeError:
+            continue
+        key = lambda n: order.get(n.removesuffix(".weight").rsplit(".", 1)[-1], 0)  # noqa: E731
+        out[target] = sorted(names, key=key)
+    return out
+
+
 def gguf_linear_blocks(
     model: nn.Module,
-    source,
-    hf_config,
+    quant: dict[str, tuple[torch.Tensor, ...]],
     want: Callable[[nn.Module], bool],
     tied_head: bool = False,
 ) -> Iterator[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(module path, module, codes, d, m) for each module of `model` that `want`s them and
-    whose pieces are all block tensors of the GGUF model `source` (iter_weight_blocks' form:
-    weight = code * d + m per group of K / d.shape[1] columns), stacked q/k/v and gate/up rows
-    concatenated in stacking order; pieces of wider groups (32 beside Q6_K's 16) have their
-    d and m repeated to the narrowest group (the same weights). `tied_head`: the embedding's
-    blocks are the output head's too."""
-    from paged.model.loader import iter_weight_blocks
-
-    quant = {}
-    for name, *arrays in iter_weight_blocks(source, hf_config):
-        name = name.removeprefix("model.").removesuffix(".weight")
-        quant["lm_head" if tied_head and name == "embed_tokens" else name] = arrays
-    stacked = getattr(model, "stacked", {})
-    pieces: dict[str, list[str]] = {}  # our module -> the HF modules stacked in it, in order
-    for hf in quant:
-        target = hf
-        for frag, (into, _) in stacked.items():
-            if hf.endswith("." + frag):
-                target = hf[: -len(frag)] + into
-        pieces.setdefault(target, []).append(hf)
-    order = {frag: idx for frag, (_, idx) in stacked.items()}
-    for target, hfs in pieces.items():
-        try:
-            mod = model.get_submodule(target)
-        except AttributeError:
-            continue
+    has block tensors of `quant` (gguf_block_arrays) among its pieces, stacked q/k/v and
+    gate/up rows concatenated in stacking order (codes of fewer rows than the module: a piece
+    in another format); pieces of wider groups (32 beside Q6_K's 16) have their d and m
+    repeated to the narrowest group (the same weights)."""
+    for target, names in block_pieces(model, quant, tied_head).items():
+        mod = model.get_submodule(target)
         if not want(mod):
             continue
-        hfs.sort(key=lambda h: order.get(h.rsplit(".", 1)[-1], 0))
-        groups = max(quant[h][1].shape[1] for h in hfs)  # the narrowest group's count
-        codes = torch.cat([quant[h][0] for h in hfs])
-        d, m = (torch.cat([_widened(quant[h][i], groups) for h in hfs]) for i in (1, 2))
+        groups = max(quant[n][1].shape[1] for n in names)  # the narrowest group's count
+        codes = torch.cat([quant[n][0] for n in names])
+        d, m = (torch.cat([_widened(quant[n][i], groups) for n in names]) for i in (1, 2))
         yield target, mod, codes, d, m
+
+
+def held_weights(
+    model: nn.Module, quant: dict[str, tuple[torch.Tensor, ...]], pieces: dict[str, list[str]]
+) -> dict[str, list[str]]:
+    """The entries of `pieces` (block_pieces) whose module is a plain linear layer with its own
+    weight and whose block tensors give all of that weight: those a platform's blocks may
+    replace, whose dense weights need not be read (not a tied head: its weight is the
+    embedding's; not a stacked layer with a piece in another format)."""
+    out = {}
+    for target, names in pieces.items():
+        mod = model.get_submodule(target)
+        w = mod._parameters.get("weight") if type(mod) is nn.Linear else None
+        rows = sum(quant[n][0].shape[0] for n in names)
+        if w is not None and (rows, quant[names[0]][0].shape[1]) == tuple(w.shape):
+            out[target] = names
+    return out
+
+
+@contextlib.contextmanager
+def weights_on_meta(model: nn.Module, targets: Iterable[str]) -> Iterator[None]:
+    """Inside, the weights of these modules are not the model's parameters: Module.to_empty
+    leaves them on the meta device, allocated by no one until a block layer replaces the
+    module (or fill_dense loads it)."""
+    held = {t: model.get_submodule(t)._parameters.pop("weight") for t in targets}
+    try:
+        yield
+    finally:
+        for t, w in held.items():
+            model.get_submodule(t)._parameters["weight"] = w
+
+
+def use_gguf_blocks(
+    model: nn.Module,
+    quant: dict[str, tuple[torch.Tensor, ...]],
+    make: BlockLayerFactory,
+    device: torch.device,
+    tied_head: bool = False,
+) -> int:
+    """Replace each module of `model` for which the platform's `make` builds a layer from its
+    blocks in `quant` (gguf_block_arrays). Returns how many were replaced."""
+    count = 0
+    for target, mod, codes, d, m in gguf_linear_blocks(model, quant, lambda _: True, tied_head):
+        layer = make(mod, codes, d, m, device)
+        if layer is not None:
+            replace_module(model, target, layer)
+            count += 1
+    log.info("%d linear layers compute from the GGUF's blocks", count)
+    return count
 
 
 def _widened(values: torch.Tensor, groups: int) -> torch.Tensor:
@@ -129,27 +210,17 @@ def _widened(values: torch.Tensor, groups: int) -> torch.Tensor:
     return values if reps == 1 else values.repeat_interleave(reps, dim=1)
 
 
+def unreplaced(model: nn.Module, held: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The entries of `held` (held_weights) whose module is still the dense one, its weight
+    on the meta device: the platform kept it dense, so its weights are to be read."""
+    out = {}
+    for target, names in held.items():
+        w = model.get_submodule(target)._parameters.get("weight")
+        if w is not None and w.is_meta:
+            out[target] = names
+    return out
+
+
 def replace_module(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_name, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-
-
-def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
-    """Replace each dense linear layer of `model` whose every piece is a Q4_0 / Q4_1 / Q8_0 /
-    Q4_K / Q5_K / Q6_K tensor of the GGUF model `source` by a layer of its blocks (stacked
-    q/k/v and gate/up rows concatenated). Returns how many were replaced."""
-    dev = next(model.parameters()).device
-    count = {4: 0, 8: 0}
-    # not the tied head, nor a layer already quantized
-    for target, mod, codes, d, m in gguf_linear_blocks(
-        model, source, hf_config, lambda mod: type(mod) is nn.Linear
-    ):
-        if codes.shape != mod.weight.shape:
-            continue  # a stacked layer with a piece in another format
-        layer = block_layer(codes.to(dev), d.to(dev), m.to(dev), mod.bias)
-        if layer is None:
-            continue
-        replace_module(model, target, layer)
-        count[layer.method.bits] += 1
-    log.info("linear layers keeping the GGUF's blocks: %d 4-bit, %d 8-bit", count[4], count[8])
-    return count[4] + count[8]

@@ -21,10 +21,20 @@ from paged.model.attention import AttentionMetadata
 from paged.model.kv_groups import KVGroups, kv_groups, one_group
 from paged.model.kv_quant import KVScales
 from paged.model.llama import head_dim_of
+from paged.model.loader import iter_weights
 from paged.model.parallel import head_shard
 from paged.model.registry import model_class
 from paged.platform import Platform
 from paged.quantization import building, init_dummy, quant_method, quantized_weights
+from paged.quantization.gguf import (
+    BlockLayerFactory,
+    block_pieces,
+    gguf_block_arrays,
+    held_weights,
+    unreplaced,
+    use_gguf_blocks,
+    weights_on_meta,
+)
 from paged.sampling.params import SamplingParams
 from paged.sampling.sampler import (
     bitmask_rows,
@@ -159,9 +169,19 @@ class ModelRunner:
             model = cls(self.hf_config, self.backend, self.max_model_len)
         if self.config.runner == "pooling":  # no LM head: embeddings only (its weights unused)
             model.lm_head = None
-            if weights is not None:
-                weights = ((n, t) for n, t in weights if not n.startswith("lm_head."))
-        model = model.to_empty(device=self.device).to(self.dtype)
+        quant, held = {}, {}
+        make = None if weights is None else self._gguf_blocks(source)
+        if make is not None:  # the layers the blocks may replace: their weights not read
+            quant = gguf_block_arrays(source, self.hf_config)
+            pieces = block_pieces(model, quant, getattr(model, "tied", False))
+            held = held_weights(model, quant, pieces)
+            skip = {n for names in held.values() for n in names}
+            weights = iter_weights(source, self.hf_config, skip=skip)
+        if weights is not None and self.config.runner == "pooling":
+            weights = ((n, t) for n, t in weights if not n.startswith("lm_head."))
+        with weights_on_meta(model, held):
+            model = model.to_empty(device=self.device)
+        model = model.to(self.dtype)
         model.init_rope(self.device)
         t0 = time.perf_counter()
         if weights is None:  # dummy: seeded random weights, drawn on the device
@@ -180,12 +200,40 @@ class ModelRunner:
             loaded = model.load_weights(self.kv_scales.take(weights))
             if self.kv_scales and self.cache_dtype == self.dtype:
                 log.info("the checkpoint's KV cache scales are unused (--kv-cache-dtype auto)")
-            missing = model.expected_weights() - loaded
+            expected = model.expected_weights()
+            missing = {n for n in expected - loaded if _module_of(n) not in held}
             if missing:
                 raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+            if make is not None:
+                self._use_gguf_blocks(model, quant, held, make, source)
         self.platform.prepare_model(model, self.config, source if weights is not None else None)
         log.info("weights ready in %.1f s", time.perf_counter() - t0)
         return model.eval()
+
+    def _gguf_blocks(self, source) -> BlockLayerFactory | None:
+        """The platform's block layers for a GGUF model's Q4/Q5/Q6/Q8 tensors, if it has any."""
+        if source is None or source.kind != "gguf":
+            return None
+        return self.platform.gguf_block_layer(self.config)
+
+    def _use_gguf_blocks(self, model, quant, held, make, source) -> None:
+        """Put the platform's block layers in; read the dense weights of those `held` layers
+        (their weights on the meta device) that it kept dense."""
+        use_gguf_blocks(model, quant, make, self.device, getattr(model, "tied", False))
+        left = unreplaced(model, held)
+        if not left:
+            return
+        for target in left:
+            mod = model.get_submodule(target)
+            mod.weight = torch.nn.Parameter(
+                torch.empty(mod.weight.shape, dtype=self.dtype, device=self.device),
+                requires_grad=False,
+            )
+        only = {n for names in left.values() for n in names}
+        loaded = model.load_weights(iter_weights(source, self.hf_config, only=only))
+        missing = {n for n in model.expected_weights() - loaded if _module_of(n) in left}
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
 
     # ---- KV cache -------------------------------------------------------------------
     def _kv_groups(self, allowed: bool) -> KVGroups:
@@ -636,3 +684,8 @@ class StepHandle:
                 entry.setdefault(top_i[row][j], top_v[row][j])
             out[req.request_id] = entry
         return out
+
+
+def _module_of(weight: str) -> str:
+    """The module path of an expected weight name ("layers.0.mlp.gate_up_proj.weight#1")."""
+    return weight.split("#")[0].rsplit(".", 1)[0]

@@ -153,25 +153,17 @@ def pack_blocks(
     return packed.contiguous(), dm.contiguous()
 
 
-def use_gguf_blocks(model: nn.Module, source, hf_config) -> int:
-    """Give each bf16 linear layer whose every piece is a Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensor
-    of the GGUF model `source` those blocks (stacked q/k/v and gate/up rows concatenated, Q6_K
-    beside others in groups of 16; a tied output head its embedding's). Returns how many
-    layers were replaced (none without the C++ kernels or their CPU features)."""
+def gguf_block_linear(
+    mod: nn.Module, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, device: torch.device
+) -> GgufBlockLinear | None:
+    """A BlockLayerFactory (paged.quantization.gguf): the blocks of a bf16 linear layer (or a
+    tied output head: its embedding's) whose whole weight they give, computed by the C++
+    kernels with 8-bit activations; None (dense) for other layers or rows not a multiple of
+    16."""
     from paged.model.llama import TiedHead
-    from paged.quantization.gguf import gguf_linear_blocks, replace_module
 
-    if not gguf_blocks_available():
-        return 0
-    tied = getattr(model, "tied", False)
-    count = 0
-    # not a layer already quantized (--quantization)
-    for target, mod, codes, d, m in gguf_linear_blocks(
-        model, source, hf_config, lambda mod: isinstance(mod, (nn.Linear, TiedHead)), tied
-    ):
-        if codes.shape != mod.weight.shape or codes.shape[0] % 16:
-            continue  # a stacked layer with a piece in another format, or an odd shape: dense
-        replace_module(model, target, GgufBlockLinear(codes, d, m, getattr(mod, "bias", None)))
-        count += 1
-    log.info("%d linear layers compute from their GGUF blocks with 8-bit activations", count)
-    return count
+    if not isinstance(mod, (nn.Linear, TiedHead)):  # not a layer already quantized
+        return None
+    if codes.shape != mod.weight.shape or codes.shape[0] % 16:
+        return None
+    return GgufBlockLinear(codes, d, m, getattr(mod, "bias", None))

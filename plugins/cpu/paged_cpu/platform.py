@@ -80,16 +80,21 @@ class CpuPlatform(Platform):
         free, _ = self.memory()
         return min(512 << 20, free // 8)  # host RAM is shared with everything else
 
+    def gguf_block_layer(self, config):
+        """A GGUF's blocks through the C++ kernels (8-bit activations), for bf16 models on one
+        process (the file's blocks are whole layers, not shards)."""
+        from paged_cpu.linear import gguf_block_linear, gguf_blocks_available
+
+        bf16 = config.torch_dtype == torch.bfloat16
+        blocks = self.option("cpu_gguf_blocks") and self.option("cpu_native")
+        if not (bf16 and config.world_size == 1 and blocks and gguf_blocks_available()):
+            return None
+        return gguf_block_linear
+
     def prepare_model(self, model, config, source=None) -> None:
-        from paged_cpu.linear import pack_linears, use_gguf_blocks
+        from paged_cpu.linear import pack_linears
 
         with torch.no_grad():
-            bf16 = config.torch_dtype == torch.bfloat16
-            whole = config.world_size == 1  # the file's blocks are whole layers, not shards
-            gguf = source is not None and source.kind == "gguf"
-            blocks = self.option("cpu_gguf_blocks") and self.option("cpu_native")
-            if gguf and bf16 and whole and blocks:
-                use_gguf_blocks(model, source, model.config)
             if self.option("cpu_packed_weights"):
                 pack_linears(model, config.torch_dtype)  # the layers still dense
 

@@ -56,16 +56,19 @@ class CudaPlatform(AcceleratorPlatform):
             return "triton is not installed"
         return None
 
+    def gguf_block_layer(self, config):
+        """A GGUF's blocks through the int4 / int8 kernels, on one GPU (the file's blocks are
+        whole layers, not tensor-parallel shards)."""
+        if config.world_size != 1 or not self.option("cuda_gguf_blocks"):
+            return None
+        from paged.quantization.gguf import int_block_layer
+
+        return int_block_layer
+
     def prepare_model(self, model, config, source=None) -> None:
         from paged.kernels import pdl
 
         pdl.enable(self.option("cuda_pdl") and torch.cuda.get_device_capability()[0] >= 9)
-        gguf = source is not None and source.kind == "gguf"
-        if gguf and config.world_size == 1 and self.option("cuda_gguf_blocks"):
-            from paged.quantization.gguf import use_gguf_blocks
-
-            use_gguf_blocks(model, source, model.config)
-            self.empty_cache()  # the dense weights just replaced
         if self.option("cuda_tuned_gemv"):
             from paged_cuda.gemv_select import use_measured_gemv
 
