@@ -71,6 +71,55 @@ def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, engi
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
 
 
+def test_covered_weights_are_never_dequantized(gguf_file, tmp_path, monkeypatch, engines_on):
+    """The engine reads a GGUF's blocks before its dense weights: the weights of the layers
+    they cover are not dequantized (nor allocated), and a layer the platform declines (here
+    every down_proj) is read dense afterwards; the output stays the dense load's."""
+    from torch import nn
+
+    import paged.model.gguf_loader as gguf_loader
+
+    kind, path = gguf_file
+    if kind != "q4":
+        pytest.skip("the loading order, once")
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    kw = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
+    prompt = list(range(5, 60, 4))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    dense = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    read: list[str] = []
+    original = gguf_loader.iter_gguf
+
+    def recording(*args, **kwargs):
+        for name, tensor in original(*args, **kwargs):
+            read.append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(gguf_loader, "iter_gguf", recording)
+    platform = blocks_platform()
+    make = platform.gguf_block_layer
+
+    def declining_down(config):
+        inner = make(config)
+        # down_proj alone maps more inputs to fewer outputs
+        return lambda mod, *a: None if mod.in_features > mod.out_features else inner(mod, *a)
+
+    platform.gguf_block_layer = declining_down
+    engines_on(platform)
+    llm = LLM(path, **kw)
+    model = llm.engine.runner.model
+    quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    kept = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
+    assert quant == {f"layers.{i}.{p}" for i in (0, 1) for p in kept}
+    downs = [model.get_submodule(f"layers.{i}.mlp.down_proj") for i in (0, 1)]
+    assert all(type(m) is nn.Linear and not m.weight.is_meta for m in downs)
+    projections = {n.rsplit(".", 2)[-2] for n in read if n.startswith("model.layers.")}
+    assert "down_proj" in projections  # read dense after the platform declined it
+    assert not projections & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
+
+
 def test_on_the_gpu_blocks_match_the_dense_load(gguf_file):
     """The cuda platform's own path (what `paged serve x.gguf` runs on a GPU): its blocks kept
     4- / 8-bit through the Triton kernels, the split-K GEMV where start-up timing takes it,
