@@ -220,6 +220,7 @@ class ModelRunner:
         """Put the platform's block layers in; read the dense weights of those `held` layers
         (their weights on the meta device) that it kept dense."""
         use_gguf_blocks(model, quant, make, self.device, getattr(model, "tied", False))
+        quant.clear()  # the file's blocks, now in the layers (or not wanted)
         left = unreplaced(model, held)
         if not left:
             return
