@@ -129,3 +129,28 @@ def test_paged_env_lists_options(monkeypatch):
     assert rows["--[no-]cpu-packed-weights"].endswith("env fallback PAGED_CPU_PACKED_WEIGHTS=0")
     assert "PAGED_CPU_NATIVE (unset)" in rows["--[no-]cpu-native"]
     assert rows["--xpu-attention {auto,ipex,triton}"].startswith("xpu, default auto")
+
+
+def test_gguf_block_layer_follows_the_options_and_the_world():
+    """Which platform builds a GGUF's block layers: the cuda plugin on one rank unless
+    --no-cuda-gguf-blocks; the cpu plugin for bf16 on one rank with its C++ kernels unless
+    --no-cpu-gguf-blocks."""
+    from paged.quantization.gguf import int_block_layer
+    from paged_cpu.linear import gguf_block_linear, gguf_blocks_available
+    from paged_cuda.platform import CudaPlatform
+
+    def cuda(*argv: str):
+        config = parse(*argv)
+        platform = CudaPlatform()
+        platform.configure(config.platform_options)
+        return platform.gguf_block_layer(config)
+
+    assert cuda() is int_block_layer
+    assert cuda("--no-cuda-gguf-blocks") is None
+    assert cuda("--tensor-parallel-size", "2") is None  # the file's blocks are whole layers
+    bf16 = parse("--dtype", "bfloat16")
+    expected = gguf_block_linear if gguf_blocks_available() else None
+    assert configured(bf16).gguf_block_layer(bf16) is expected
+    for argv in (("--dtype", "float32"), ("--dtype", "bfloat16", "--no-cpu-gguf-blocks")):
+        config = parse(*argv)
+        assert configured(config).gguf_block_layer(config) is None
