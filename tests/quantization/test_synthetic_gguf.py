@@ -61,9 +61,10 @@ def test_blocks_read_back_as_the_shape(tmp_path, kind):
     assert torch.equal(weights["model.norm.weight"], torch.ones(576))
 
 
-def test_engine_runs_the_file_and_its_tokenizer_round_trips(tmp_path):
+def test_engine_runs_the_file_and_its_tokenizer_round_trips(tmp_path, monkeypatch):
     from paged import LLM, SamplingParams
 
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))  # not the user's cache
     path = syn.write("smollm2-135m", "Q4_0", str(tmp_path / "m.gguf"), layers=2)
     llm = LLM(str(path), max_model_len=128)
     text = "Hello there, é!"
