@@ -18,6 +18,15 @@ from paged_cpu.linear import gguf_blocks_available
 CPU_BLOCKS = gguf_blocks_available()
 
 
+# Both loads of a file in float32: the dense one and the one with block layers.
+KW = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
+
+
+def _greedy(llm: LLM) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    return llm.generate(list(range(5, 60, 4)), params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def _platform(triton: bool):
     def kernels() -> dict:
         from paged.kernels.ops import triton_fused_ops
@@ -46,13 +55,10 @@ def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, engi
     if triton and kind == "k":  # (44 s interpreted at hidden 256)
         pytest.skip("K-quants change only the load: the q4 / q8 files run these kernels")
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
-    kw = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
-    prompt = list(range(5, 60, 4))
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    dense = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    dense = _greedy(LLM(path, **KW))
     platform = _platform(triton)
     engines_on(platform)
-    llm = LLM(path, **kw)
+    llm = LLM(path, **KW)
     layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
     # qkv, o, gate_up, down x 2 (the K-quant file: and its Q6_K output head)
     assert platform.replaced == len(layers) == (9 if kind == "k" else 8)
@@ -68,7 +74,7 @@ def test_gguf_block_layers_stay_quantized(gguf_file, tmp_path, monkeypatch, engi
         sixteens = {n for n, m in llm.engine.runner.model.named_modules()
                     if isinstance(m, QuantLinear) and m.group_k == 16}  # fmt: skip
         assert sixteens == {"layers.1.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"}
-    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
+    assert _greedy(llm) == dense
 
 
 def test_covered_weights_are_never_dequantized(gguf_file, tmp_path, monkeypatch, engines_on):
@@ -83,10 +89,7 @@ def test_covered_weights_are_never_dequantized(gguf_file, tmp_path, monkeypatch,
     if kind != "q4":
         pytest.skip("the loading order, once")
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
-    kw = dict(dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=32)
-    prompt = list(range(5, 60, 4))
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    dense = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    dense = _greedy(LLM(path, **KW))
 
     read: list[str] = []
     original = gguf_loader.iter_gguf
@@ -107,7 +110,7 @@ def test_covered_weights_are_never_dequantized(gguf_file, tmp_path, monkeypatch,
 
     platform.gguf_block_layer = declining_down
     engines_on(platform)
-    llm = LLM(path, **kw)
+    llm = LLM(path, **KW)
     model = llm.engine.runner.model
     quant = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     kept = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj")
@@ -117,7 +120,7 @@ def test_covered_weights_are_never_dequantized(gguf_file, tmp_path, monkeypatch,
     projections = {n.rsplit(".", 2)[-2] for n in read if n.startswith("model.layers.")}
     assert "down_proj" in projections  # read dense after the platform declined it
     assert not projections & {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}
-    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == dense
+    assert _greedy(llm) == dense
 
 
 def test_on_the_gpu_blocks_match_the_dense_load(gguf_file):

@@ -4,9 +4,11 @@ Q4_K / Q5_K sub-blocks of 32, Q6_K ones of 16) as the int4 layout of the AWQ/GPT
 code * d + m, Q8_0 (code - 128) * d with code = q + 128, Q6_K (code - 32) * d: the file's own
 arithmetic), computed by `int4_linear`, or `int8_linear` for 8-bit codes (the same kernels).
 
-The engine loads a GGUF's weights dequantized; a platform calls `use_gguf_blocks` from
-`prepare_model` to put these layers in place of the dense ones (the cuda plugin does). Other
-types (Q3_K, Q2_K, ...) stay dense."""
+A platform offers its layers of these blocks through `Platform.gguf_block_layer` (the cuda
+plugin: `int_block_layer`); the model runner reads the file's blocks first, keeps the dense
+weights of the layers they cover on the meta device (`held_weights`, `weights_on_meta`),
+dequantizes the rest, then puts the platform's layers in (`use_gguf_blocks`). Other types
+(Q3_K, Q2_K, ...) stay dense."""
 
 from __future__ import annotations
 
@@ -133,27 +135,6 @@ def block_pieces(
     return out
 
 
-def gguf_linear_blocks(
-    model: nn.Module,
-    quant: dict[str, tuple[torch.Tensor, ...]],
-    want: Callable[[nn.Module], bool],
-    tied_head: bool = False,
-) -> Iterator[tuple[str, nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(module path, module, codes, d, m) for each module of `model` that `want`s them and
-    has block tensors of `quant` (gguf_block_arrays) among its pieces, stacked q/k/v and
-    gate/up rows concatenated in stacking order (codes of fewer rows than the module: a piece
-    in another format); pieces of wider groups (32 beside Q6_K's 16) have their d and m
-    repeated to the narrowest group (the same weights)."""
-    for target, names in block_pieces(model, quant, tied_head).items():
-        mod = model.get_submodule(target)
-        if not want(mod):
-            continue
-        groups = max(quant[n][1].shape[1] for n in names)  # the narrowest group's count
-        codes = torch.cat([quant[n][0] for n in names])
-        d, m = (torch.cat([_widened(quant[n][i], groups) for n in names]) for i in (1, 2))
-        yield target, mod, codes, d, m
-
-
 def held_weights(
     model: nn.Module, quant: dict[str, tuple[torch.Tensor, ...]], pieces: dict[str, list[str]]
 ) -> dict[str, list[str]]:
@@ -175,7 +156,7 @@ def held_weights(
 def weights_on_meta(model: nn.Module, targets: Iterable[str]) -> Iterator[None]:
     """Inside, the weights of these modules are not the model's parameters: Module.to_empty
     leaves them on the meta device, allocated by no one until a block layer replaces the
-    module (or fill_dense loads it)."""
+    module (or, where the platform keeps it dense, the model runner reads it)."""
     held = {t: model.get_submodule(t)._parameters.pop("weight") for t in targets}
     try:
         yield
@@ -187,15 +168,21 @@ def weights_on_meta(model: nn.Module, targets: Iterable[str]) -> Iterator[None]:
 def use_gguf_blocks(
     model: nn.Module,
     quant: dict[str, tuple[torch.Tensor, ...]],
+    pieces: dict[str, list[str]],
     make: BlockLayerFactory,
     device: torch.device,
-    tied_head: bool = False,
 ) -> int:
-    """Replace each module of `model` for which the platform's `make` builds a layer from its
-    blocks in `quant` (gguf_block_arrays). Returns how many were replaced."""
+    """Replace each module of `pieces` (block_pieces) for which the platform's `make` builds a
+    layer from its blocks in `quant` (gguf_block_arrays): stacked q/k/v and gate/up rows
+    concatenated in stacking order (codes of fewer rows than the module: a piece in another
+    format); pieces of wider groups (32 beside Q6_K's 16) have their d and m repeated to the
+    narrowest group (the same weights). Returns how many were replaced."""
     count = 0
-    for target, mod, codes, d, m in gguf_linear_blocks(model, quant, lambda _: True, tied_head):
-        layer = make(mod, codes, d, m, device)
+    for target, names in pieces.items():
+        groups = max(quant[n][1].shape[1] for n in names)  # the narrowest group's count
+        codes = torch.cat([quant[n][0] for n in names])
+        d, m = (torch.cat([_widened(quant[n][i], groups) for n in names]) for i in (1, 2))
+        layer = make(model.get_submodule(target), codes, d, m, device)
         if layer is not None:
             replace_module(model, target, layer)
             count += 1

@@ -169,7 +169,9 @@ class ModelRunner:
             model = cls(self.hf_config, self.backend, self.max_model_len)
         if self.config.runner == "pooling":  # no LM head: embeddings only (its weights unused)
             model.lm_head = None
-        quant, held = {}, {}
+        quant: dict = {}
+        pieces: dict[str, list[str]] = {}
+        held: dict[str, list[str]] = {}
         make = None if weights is None else self._gguf_blocks(source)
         if make is not None:  # the layers the blocks may replace: their weights not read
             quant = gguf_block_arrays(source, self.hf_config)
@@ -205,7 +207,7 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
             if make is not None:
-                self._use_gguf_blocks(model, quant, held, make, source)
+                self._use_gguf_blocks(model, quant, pieces, held, make, source)
         self.platform.prepare_model(model, self.config, source if weights is not None else None)
         log.info("weights ready in %.1f s", time.perf_counter() - t0)
         return model.eval()
@@ -216,10 +218,10 @@ class ModelRunner:
             return None
         return self.platform.gguf_block_layer(self.config)
 
-    def _use_gguf_blocks(self, model, quant, held, make, source) -> None:
+    def _use_gguf_blocks(self, model, quant, pieces, held, make, source) -> None:
         """Put the platform's block layers in; read the dense weights of those `held` layers
         (their weights on the meta device) that it kept dense."""
-        use_gguf_blocks(model, quant, make, self.device, getattr(model, "tied", False))
+        use_gguf_blocks(model, quant, pieces, make, self.device)
         quant.clear()  # the file's blocks, now in the layers (or not wanted)
         left = unreplaced(model, held)
         if not left:
