@@ -430,10 +430,10 @@ def main() -> int:
     a(
         "--gguf",
         default=None,
-        help="also a GGUF file with Q4_0/Q4_1/Q8_0 tensors: its blocks on the GPU (variant "
-        "gguf-blocks) vs dense (gguf-dense; both unless --variants names one); 'default': the "
-        "default model; 'synthetic:Q4_0' (Q4_1, Q8_0): random blocks in --model's shape, "
-        "written by bench/synthetic_gguf.py",
+        help="also a GGUF file with Q4_0/Q4_1/Q8_0/K-quant tensors: its blocks on the GPU "
+        "(variant gguf-blocks) vs dense (gguf-dense; both unless --variants names one); "
+        "'default': the default model; 'synthetic:Q4_0' (Q4_1, Q8_0, Q4_K, Q6_K, Q4_K_M): "
+        "random blocks in --model's shape, written by bench/synthetic_gguf.py",
     )
     a("--engine-args", default="", help="extra engine flags, e.g. '--kv-cache-dtype fp8'")
     a("--timeout", type=float, default=900)

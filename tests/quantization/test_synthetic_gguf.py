@@ -40,7 +40,7 @@ def test_rope_factors_are_transformers_llama3_scaling():
     assert got.min() == 1.0 and got.max() == 8.0  # high frequencies kept, low ones / factor
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q4_K_M"])
 def test_blocks_read_back_as_the_shape(tmp_path, kind):
     from paged.model.gguf_loader import gguf_config, iter_gguf
     from paged.model.shapes import SHAPES
@@ -59,6 +59,18 @@ def test_blocks_read_back_as_the_shape(tmp_path, kind):
     assert w.shape == (576, 1536)
     assert 0.018 < float(w.std()) < 0.022 and abs(float(w.mean())) < 0.004
     assert torch.equal(weights["model.norm.weight"], torch.ones(576))
+
+
+def test_a_k_mix_types_its_tensors_as_llama_cpp_does(tmp_path):
+    import gguf
+
+    path = syn.write("smollm2-135m", "Q4_K_M", str(tmp_path / "m.gguf"), layers=9)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    # 9 layers: more bits in layer 0 and 7-8 (the first and last eighth), 3 and 6 (every third)
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(9)] == [
+        "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K", "Q6_K", "Q6_K"]  # fmt: skip
+    assert types["blk.1.attn_q.weight"] == "Q8_0"  # 576 columns: no whole super-block of 256
+    assert types["token_embd.weight"] == "Q8_0" and "output.weight" not in types  # tied
 
 
 def test_engine_runs_the_file_and_its_tokenizer_round_trips(tmp_path, monkeypatch):
