@@ -23,14 +23,20 @@ def test_bench_throughput_dummy_shape(cli, tmp_path):
     assert data["args"]["model"] == "smollm2-135m" and "_argv" not in data["args"]
 
 
-def test_bench_latency(cli, tiny_llama, tmp_path):
+def test_bench_latency(cli, tiny_llama, tmp_path, caplog):
+    import logging
+
     out_json = tmp_path / "lat.json"
-    rc, out, err = cli(
-        "bench", "latency", "--model", tiny_llama, "--input-len", "16", "--output-len", "5",
-        "--batch-size", "2", "--num-iters", "2", "--kv-cache-memory", "8MiB",
-        "--save-json", out_json,
-    )  # fmt: skip
+    try:
+        rc, out, err = cli(
+            "bench", "latency", "--model", tiny_llama, "--input-len", "16", "--output-len", "5",
+            "--batch-size", "2", "--num-iters", "2", "--kv-cache-memory", "8MiB",
+            "--save-json", out_json, "--log-level", "info",
+        )  # fmt: skip
+    finally:
+        logging.getLogger("paged").setLevel(logging.NOTSET)
     assert rc == 0, err
+    assert any(r.getMessage().startswith("weights ready in") for r in caplog.records)
     assert "TTFT" in out and "Decode Latency per Token" in out
     data = json.loads(out_json.read_text())
     assert 0 < data["mean_ttft_ms"] < data["mean_e2el_ms"]

@@ -8,6 +8,7 @@ Random token-id prompts of ``--input-len``, ``--output-len`` tokens each with ig
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import sys
 import time
@@ -60,6 +61,12 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         )
         p.add_argument("--save-json", default=None, help="write all figures and the command")
         p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+        p.add_argument(
+            "--log-level",
+            default="warning",
+            choices=["critical", "error", "warning", "info", "debug"],
+            help="the engine's log (info: its start-up phases and their times)",
+        )
         from paged.cli import bench_hf  # registers --baseline hf (imports nothing heavy)
 
         bench_hf.add_args(p, name)
@@ -78,6 +85,10 @@ def checked_config(args: argparse.Namespace) -> EngineConfig | None:
     def refuse(problem: str) -> None:
         print(f"error: {problem}", file=sys.stderr)
 
+    from paged.engine.async_engine import LOG_FORMAT
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.getLogger("paged").setLevel(args.log_level.upper())  # where the root has handlers
     if problem := flag_error(args, LEAST, {"hf_max_seconds": 0}) or save_json_error(args.save_json):
         return refuse(problem)
     if args.baseline and args.baseline not in BASELINES:
