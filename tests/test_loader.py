@@ -21,6 +21,7 @@ from paged.model.loader import (
     load_config,
     load_tokenizer,
     resolve_model,
+    weight_blocks,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -164,6 +165,20 @@ def test_gguf_blocks_cache(default_src, default_cfg, tmp_path, monkeypatch):
     for name, arrays in fresh.items():
         for want, a, b in zip(arrays, built[name], cached[name]):
             assert torch.equal(a, torch.from_numpy(want)) and torch.equal(b, a), name
+
+
+def test_gguf_blocks_are_read_as_asked_not_held(default_src, default_cfg, tmp_path, monkeypatch):
+    """Even just built, the blocks come from the cache's files one tensor at a time: nothing of
+    a file's 10 GB (8B) of unpacked blocks is kept in memory."""
+    import shutil
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    blocks = weight_blocks(default_src, default_cfg)  # built now, then read back
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert blocks.codes_shape(name) == tuple(blocks[name][0].shape) == (576, 1536)
+    shutil.rmtree(tmp_path / "blocks3")
+    with pytest.raises(FileNotFoundError):
+        blocks[name]
 
 
 class _Saved:

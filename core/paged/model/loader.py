@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -256,34 +256,97 @@ def iter_weights(
     yield from (obj.items() if isinstance(obj, _Tensors) else obj)
 
 
-def iter_weight_blocks(
-    src: ModelSource, config: PretrainedConfig
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """A GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as their stored blocks, (HF name, codes,
-    d, m) as in gguf_loader.iter_gguf_blocks (groups of K / d.shape[1]: 32, Q6_K's 16), cached
-    like the dequantized weights (the file's metadata parse takes seconds)."""
+def weight_blocks(src: ModelSource, config: PretrainedConfig) -> GgufBlocks:
+    """A GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors as their stored blocks: {HF name: (codes,
+    d, m)} as in gguf_loader.iter_gguf_blocks (groups of K / d.shape[1]: 32, Q6_K's 16), kept in
+    the cache like the dequantized weights (the file's metadata parse takes seconds) and read
+    from there one tensor at a time, as asked for (an 8B file's blocks are 10 GB unpacked)."""
     from paged.model.gguf_loader import iter_gguf_blocks
-    from paged.model.hf_loader import iter_safetensors
 
     def build() -> _Tensors:
         import torch
 
         tensors = _Tensors()
         for name, *arrays in iter_gguf_blocks(src.path, config):
-            for part, array in zip(("codes", "d", "m"), arrays):
+            for part, array in zip(GgufBlocks.PARTS, arrays):
                 tensors[f"{name}:{part}"] = torch.from_numpy(array)
         return tensors
 
-    obj = _cached(
-        "blocks3",  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
-        src.path,
-        load=lambda d: _Tensors(iter_safetensors(d, progress=False)),
-        build=build,
-    )
-    for key in obj:
-        name, _, part = key.rpartition(":")
-        if part == "codes":
-            yield name, obj[key], obj[f"{name}:d"], obj[f"{name}:m"]
+    kind = "blocks3"  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
+    obj = _cached(kind, src.path, load=_LazySafetensors, build=build)
+    if isinstance(obj, _Tensors):  # just built: read back from the cache, the arrays let go
+        built = obj
+        obj = _cached(kind, src.path, load=_LazySafetensors, build=lambda: built)
+        del built
+    return GgufBlocks(obj)
+
+
+def iter_weight_blocks(
+    src: ModelSource, config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """weight_blocks' entries as (HF name, codes, d, m), read as iterated."""
+    for name, arrays in weight_blocks(src, config).items():
+        yield name, *arrays
+
+
+class GgufBlocks(Mapping):
+    """{HF name: (codes, d, m)} over tensors stored as "name:codes", "name:d", "name:m"."""
+
+    PARTS = ("codes", "d", "m")
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._names = [k.rpartition(":")[0] for k in tensors if k.endswith(":codes")]
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, ...]:
+        if f"{name}:codes" not in self._tensors:
+            raise KeyError(name)
+        return tuple(self._tensors[f"{name}:{part}"] for part in self.PARTS)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def codes_shape(self, name: str) -> tuple[int, ...]:
+        """The codes' [N, K] without reading them (where the store can tell)."""
+        shape = getattr(self._tensors, "shape", None)
+        key = f"{name}:codes"
+        return shape(key) if shape else tuple(self._tensors[key].shape)
+
+
+class _LazySafetensors(Mapping):
+    """The tensors of a directory's safetensors files, each read from its file when asked for
+    (nothing kept)."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open
+
+        from paged.model.hf_loader import safetensors_files
+
+        self._file: dict[str, str] = {}
+        for f in safetensors_files(directory):
+            with safe_open(f, framework="pt") as handle:
+                self._file.update(dict.fromkeys(handle.keys(), f))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self._file[key], framework="pt") as handle:
+            return handle.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(self._file[key], framework="pt") as handle:
+            return tuple(handle.get_slice(key).get_shape())
 
 
 class _Tensors(dict):

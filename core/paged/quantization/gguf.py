@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -100,16 +100,16 @@ def int_block_layer(
     return block_layer(codes.to(device), d.to(device), m.to(device), mod.bias)
 
 
-def gguf_block_arrays(source, hf_config) -> dict[str, tuple[torch.Tensor, ...]]:
+def gguf_block_arrays(source, hf_config) -> Mapping[str, tuple[torch.Tensor, ...]]:
     """{HF weight name: (codes, d, m)} of the GGUF model `source`'s block tensors
-    (iter_weight_blocks' form: weight = code * d + m per group of K / d.shape[1] columns)."""
-    from paged.model.loader import iter_weight_blocks
+    (weight = code * d + m per group of K / d.shape[1] columns), each read when asked for."""
+    from paged.model.loader import weight_blocks
 
-    return {name: tuple(arrays) for name, *arrays in iter_weight_blocks(source, hf_config)}
+    return weight_blocks(source, hf_config)
 
 
 def block_pieces(
-    model: nn.Module, quant: dict[str, tuple[torch.Tensor, ...]], tied_head: bool = False
+    model: nn.Module, quant: Mapping[str, tuple[torch.Tensor, ...]], tied_head: bool = False
 ) -> dict[str, list[str]]:
     """{module path of `model`: the HF weight names of `quant` stacked in it, in stacking
     order} for each module whose pieces include a block tensor. `tied_head`: the embedding's
@@ -136,7 +136,7 @@ def block_pieces(
 
 
 def held_weights(
-    model: nn.Module, quant: dict[str, tuple[torch.Tensor, ...]], pieces: dict[str, list[str]]
+    model: nn.Module, quant: Mapping[str, tuple[torch.Tensor, ...]], pieces: dict[str, list[str]]
 ) -> dict[str, list[str]]:
     """The entries of `pieces` (block_pieces) whose module is a plain linear layer with its own
     weight and whose block tensors give all of that weight: those a platform's blocks may
@@ -146,10 +146,16 @@ def held_weights(
     for target, names in pieces.items():
         mod = model.get_submodule(target)
         w = mod._parameters.get("weight") if type(mod) is nn.Linear else None
-        rows = sum(quant[n][0].shape[0] for n in names)
-        if w is not None and (rows, quant[names[0]][0].shape[1]) == tuple(w.shape):
+        shapes = [_codes_shape(quant, n) for n in names]
+        if w is not None and (sum(s[0] for s in shapes), shapes[0][1]) == tuple(w.shape):
             out[target] = names
     return out
+
+
+def _codes_shape(quant: Mapping[str, tuple[torch.Tensor, ...]], name: str) -> tuple[int, ...]:
+    """The [N, K] of a tensor's codes, from the store's header where it has one (GgufBlocks)."""
+    shape = getattr(quant, "codes_shape", None)
+    return shape(name) if shape else tuple(quant[name][0].shape)
 
 
 @contextlib.contextmanager
@@ -167,7 +173,7 @@ def weights_on_meta(model: nn.Module, targets: Iterable[str]) -> Iterator[None]:
 
 def use_gguf_blocks(
     model: nn.Module,
-    quant: dict[str, tuple[torch.Tensor, ...]],
+    quant: Mapping[str, tuple[torch.Tensor, ...]],
     pieces: dict[str, list[str]],
     make: BlockLayerFactory,
     device: torch.device,
@@ -179,9 +185,11 @@ def use_gguf_blocks(
     narrowest group (the same weights). Returns how many were replaced."""
     count = 0
     for target, names in pieces.items():
-        groups = max(quant[n][1].shape[1] for n in names)  # the narrowest group's count
-        codes = torch.cat([quant[n][0] for n in names])
-        d, m = (torch.cat([_widened(quant[n][i], groups) for n in names]) for i in (1, 2))
+        arrays = [quant[n] for n in names]  # read now (a lazy store), let go after the layer
+        groups = max(a[1].shape[1] for a in arrays)  # the narrowest group's count
+        codes = torch.cat([a[0] for a in arrays])
+        d, m = (torch.cat([_widened(a[i], groups) for a in arrays]) for i in (1, 2))
+        del arrays
         layer = make(model.get_submodule(target), codes, d, m, device)
         if layer is not None:
             replace_module(model, target, layer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import torch
@@ -169,7 +169,7 @@ class ModelRunner:
             model = cls(self.hf_config, self.backend, self.max_model_len)
         if self.config.runner == "pooling":  # no LM head: embeddings only (its weights unused)
             model.lm_head = None
-        quant: dict = {}
+        quant: Mapping[str, tuple[torch.Tensor, ...]] = {}  # the GGUF's blocks, read as asked
         pieces: dict[str, list[str]] = {}
         held: dict[str, list[str]] = {}
         make = None if weights is None else self._gguf_blocks(source)
@@ -222,7 +222,6 @@ class ModelRunner:
         """Put the platform's block layers in; read the dense weights of those `held` layers
         (their weights on the meta device) that it kept dense."""
         use_gguf_blocks(model, quant, pieces, make, self.device)
-        quant.clear()  # the file's blocks, now in the layers (or not wanted)
         left = unreplaced(model, held)
         if not left:
             return
