@@ -278,9 +278,11 @@ def engine_bench(args, variant: str, out: Path) -> dict:
                 print(res[f"{name}_error"], flush=True)
         except subprocess.TimeoutExpired:
             res[f"{name}_error"] = f"timed out after {args.timeout} s"
-    for name, path in (("latency", lat), ("throughput", tp)):
-        if path.is_file():
+        path = lat if name == "latency" else tp
+        if path.is_file():  # printed now: a run cut short keeps what it measured
             res[name] = json.loads(path.read_text())
+            key = "mean_tpot_ms" if name == "latency" else "total_tokens_per_s"
+            print(f"{variant} {name}: {key} {res[name].get(key)}", flush=True)
     return res
 
 
