@@ -46,8 +46,15 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         p = sub.add_parser(name, help=help)
         if load:  # the engine flags import torch: only when this command runs
             from paged.config import EngineConfig
+            from paged.server.api import LOG_LEVELS
 
             EngineConfig.add_cli_args(p, positional_model=False)
+            p.add_argument(
+                "--log-level",
+                default="warning",
+                choices=LOG_LEVELS,
+                help="the engine's log (info: its start-up phases and their times)",
+            )
         p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
         p.add_argument("--output-len", type=int, default=128, help="output tokens")
         if name == "throughput":
@@ -61,12 +68,6 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         )
         p.add_argument("--save-json", default=None, help="write all figures and the command")
         p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-        p.add_argument(
-            "--log-level",
-            default="warning",
-            choices=["critical", "error", "warning", "info", "debug"],
-            help="the engine's log (info: its start-up phases and their times)",
-        )
         from paged.cli import bench_hf  # registers --baseline hf (imports nothing heavy)
 
         bench_hf.add_args(p, name)
