@@ -272,12 +272,13 @@ def weight_blocks(src: ModelSource, config: PretrainedConfig) -> GgufBlocks:
                 tensors[f"{name}:{part}"] = torch.from_numpy(array)
         return tensors
 
-    kind = "blocks3"  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
-    obj = _cached(kind, src.path, load=_LazySafetensors, build=build)
-    if isinstance(obj, _Tensors):  # just built: read back from the cache, the arrays let go
-        built = obj
-        obj = _cached(kind, src.path, load=_LazySafetensors, build=lambda: built)
-        del built
+    obj = _cached(
+        "blocks3",  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
+        src.path,
+        load=_LazySafetensors,
+        build=build,
+        reread=True,  # just built: the arrays let go, read from the entry as asked
+    )
     return GgufBlocks(obj)
 
 
@@ -383,9 +384,12 @@ def _cache_key(path: str) -> str:
     return f"{stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
 
-def _cached(kind: str, path: str, load: Callable[[str], T], build: Callable[[], T]) -> T:
+def _cached(
+    kind: str, path: str, load: Callable[[str], T], build: Callable[[], T], reread: bool = False
+) -> T:
     """load(entry) from the cache, else build() and save it there (atomically, best effort).
-    Any cache failure falls back to build()."""
+    Any cache failure falls back to build(). `reread`: once saved, what is built is let go and
+    the entry loaded instead (a load that reads lazily holds less)."""
     try:
         entry: Path | None = cache_root() / kind / _cache_key(path)
     except Exception as e:  # a broken cache must never stop a load
@@ -400,6 +404,9 @@ def _cached(kind: str, path: str, load: Callable[[str], T], build: Callable[[], 
     obj = build()
     if entry is not None:
         _save_atomic(entry, obj)
+        if reread and (entry / _MARKER).is_file():
+            del obj
+            return load(str(entry))
     return obj
 
 
