@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from torch import nn
 from paged.model import ops
 from paged.quantization.base import QuantLinear, QuantMethod
 from paged.quantization.reference import pack_int4
+
+if TYPE_CHECKING:
+    from paged.model.loader import GgufBlocks
 
 log = logging.getLogger("paged")
 BLOCK = 32
@@ -100,7 +104,7 @@ def int_block_layer(
     return block_layer(codes.to(device), d.to(device), m.to(device), mod.bias)
 
 
-def gguf_block_arrays(source, hf_config) -> Mapping[str, tuple[torch.Tensor, ...]]:
+def gguf_block_arrays(source, hf_config) -> GgufBlocks:
     """{HF weight name: (codes, d, m)} of the GGUF model `source`'s block tensors
     (weight = code * d + m per group of K / d.shape[1] columns), each read when asked for."""
     from paged.model.loader import weight_blocks
@@ -136,7 +140,7 @@ def block_pieces(
 
 
 def held_weights(
-    model: nn.Module, quant: Mapping[str, tuple[torch.Tensor, ...]], pieces: dict[str, list[str]]
+    model: nn.Module, quant: GgufBlocks, pieces: dict[str, list[str]]
 ) -> dict[str, list[str]]:
     """The entries of `pieces` (block_pieces) whose module is a plain linear layer with its own
     weight and whose block tensors give all of that weight: those a platform's blocks may
@@ -146,16 +150,10 @@ def held_weights(
     for target, names in pieces.items():
         mod = model.get_submodule(target)
         w = mod._parameters.get("weight") if type(mod) is nn.Linear else None
-        shapes = [_codes_shape(quant, n) for n in names]
+        shapes = [quant.codes_shape(n) for n in names]  # from the store's header
         if w is not None and (sum(s[0] for s in shapes), shapes[0][1]) == tuple(w.shape):
             out[target] = names
     return out
-
-
-def _codes_shape(quant: Mapping[str, tuple[torch.Tensor, ...]], name: str) -> tuple[int, ...]:
-    """The [N, K] of a tensor's codes, from the store's header where it has one (GgufBlocks)."""
-    shape = getattr(quant, "codes_shape", None)
-    return shape(name) if shape else tuple(quant[name][0].shape)
 
 
 @contextlib.contextmanager
