@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import pdl
+from paged.kernels.compile_ahead import launcher
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
 from paged.kernels.fused import fused_add_rms_norm, rms_scaled, silu_and_mul_absmax, silu_mul
 from paged.kernels.gemv import DOT_WIDTH
@@ -217,7 +218,7 @@ def fp8_gemv_split(
     assert split == 1 or counters.numel() >= split_counters(n, config)
     rows = triton.next_power_of_2(m)
     amax_k = min(AMAX_ELEMENTS // rows, max(16, triton.next_power_of_2(k)))
-    _fp8_gemv_split_kernel[(triton.cdiv(n, block_n), split)](
+    launcher(_fp8_gemv_split_kernel, (triton.cdiv(n, block_n), split))(
         x, x_amax if x_amax is not None else scale, weight, scale,
         bias if bias is not None else out,
         out, part, counters, res, g, res_out, m, n, k, per, x.stride(0), weight.stride(0),

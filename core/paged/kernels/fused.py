@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import pdl
+from paged.kernels.compile_ahead import launcher
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def rms_norm(
     x2, o2 = _rows(x), _rows(out)
     n_rows, n_cols = x2.shape
     if n_rows:
-        _rms_norm_kernel[(n_rows,)](
+        launcher(_rms_norm_kernel, (n_rows,))(
             x2, x2, weight, o2, x2.stride(0), 0, o2.stride(0), n_cols, eps, o2,
             BLOCK=triton.next_power_of_2(n_cols), ADD_RESIDUAL=False, AMAX=False,
             num_warps=_warps(n_cols), **pdl.launch(),
@@ -100,7 +101,7 @@ def fused_add_rms_norm(
     x2, r2 = _rows(x), _rows(residual)
     n_rows, n_cols = x2.shape
     if n_rows:
-        _rms_norm_kernel[(n_rows,)](
+        launcher(_rms_norm_kernel, (n_rows,))(
             x2, r2, weight, x2, x2.stride(0), r2.stride(0), x2.stride(0), n_cols, eps,
             amax if amax is not None else x2, BLOCK=triton.next_power_of_2(n_cols),
             ADD_RESIDUAL=True, AMAX=amax is not None, num_warps=_warps(n_cols), **pdl.launch(),
@@ -260,7 +261,7 @@ def silu_and_mul(
     x2, o2 = _rows(x), _rows(out)
     if x2.shape[0]:
         block = _silu_block(inter)
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        launcher(_silu_and_mul_kernel, (x2.shape[0], triton.cdiv(inter, block)))(
             x2, o2, amax if amax is not None else o2, x2.stride(0), o2.stride(0), inter,
             BLOCK=block, AMAX=amax is not None, num_warps=4, **pdl.launch(),
         )  # fmt: skip

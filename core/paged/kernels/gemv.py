@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import pdl
+from paged.kernels.compile_ahead import launcher
 from paged.kernels.e4m3 import quantize_e4m3, token_scale
 from paged.kernels.fused import silu_mul
 
@@ -271,7 +272,7 @@ def gemv_split_k(
         if split > 1:  # each slice's sum of squares, per output block
             ss = torch.empty(split_k_counters(n, m, config) * split, dtype=torch.float32,
                              device=x.device)  # fmt: skip
-    _gemv_split_k_kernel[(triton.cdiv(n, block_n), split, m)](
+    launcher(_gemv_split_k_kernel, (triton.cdiv(n, block_n), split, m))(
         x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
         weight.stride(0), out.stride(0), res, g, res_out, ss, eps, HAS_BIAS=bias is not None,
         NORM=norm is not None, SILU_MUL=silu_mul, SPLIT=split,
@@ -365,7 +366,7 @@ def fp8_gemv_dot(
     if m == 0:
         return out
     block_n, block_k, warps, stages = config or dot_config(n, k, x.device)
-    _fp8_gemv_dot_kernel[(triton.cdiv(n, block_n),)](
+    launcher(_fp8_gemv_dot_kernel, (triton.cdiv(n, block_n),))(
         x, weight, scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         ROWS=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,

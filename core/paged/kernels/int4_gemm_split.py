@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from paged.kernels import pdl
+from paged.kernels.compile_ahead import launcher
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps)
 PROGRAMS = 768  # default_config's target grid
@@ -319,7 +320,7 @@ def int4_gemm_split(
     else:
         part = counters = out
     upcast = x.dtype == torch.float32 or x.device.type == "cpu"
-    _int4_gemm_split_kernel[(tiles_m, triton.cdiv(n, block_n), split)](
+    launcher(_int4_gemm_split_kernel, (tiles_m, triton.cdiv(n, block_n), split))(
         x, codes, scales, zeros, mins if mins is not None else scales,
         bias if bias is not None else out, out, part, counters, m, n, k // per_word, groups,
         per // per_word, codes.stride(0), x.stride(0), out.stride(0),

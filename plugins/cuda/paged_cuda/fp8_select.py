@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -27,7 +28,14 @@ from torch import nn
 from paged.kernels.fp8_gemv import Config, Fp8SplitGemv, fp8_gemv_split, split_counters
 from paged.kernels.fused import fused_add_rms_norm, silu_and_mul_absmax
 from paged.kernels.gemv import DOT_MAX_ROWS, DOT_WIDTH, dot_config, fp8_gemv_dot
-from paged_cuda.gemv_select import OpInputs, choose, graph_time, graph_time_or_inf, model_dtype
+from paged_cuda.gemv_select import (
+    OpInputs,
+    choose,
+    compile_configs,
+    graph_time,
+    graph_time_or_inf,
+    model_dtype,
+)
 
 log = logging.getLogger("paged")
 
@@ -135,9 +143,11 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         fastest[(tuple(mods[0].weight.shape), "unsplit")] = t
         return t
 
-    def time_split(mods: list[nn.Module], choice: tuple[Config, str]) -> float:
+    def split_call(mod: nn.Module, choice: tuple[Config, str]) -> Callable[[nn.Module], object]:
+        """The split GEMV under `choice` as a function of a module of mod's shape (and under
+        rows "amax", the op's kernel before it), on inputs shared by that shape's modules."""
         config, rows = choice
-        x, folded, silu = inputs.folded(mods[0])
+        x, folded, silu = inputs.folded(mod)
         if rows == "amax":  # the op's kernel writes the absmax (the norm's in place: copies)
             amax = torch.empty(1, 1, dtype=torch.float32, device=device)
             x, res = x.clone(), folded[0].clone() if folded else None
@@ -154,11 +164,16 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
             return fp8_gemv_split(x, m.weight, m.weight_scale, m.bias, config, counters,
                                   folded, silu)  # fmt: skip
 
+        return call
+
+    def time_split(mods: list[nn.Module], choice: tuple[Config, str]) -> float:
+        call = split_call(mods[0], choice)
         t = graph_time_or_inf([lambda m=m: call(m) for m in mods])
-        key = (tuple(mods[0].weight.shape), rows)
+        key = (tuple(mods[0].weight.shape), choice[1])
         fastest[key] = min(fastest.get(key, math.inf), t)
         return t
 
+    compile_configs(shapes, configs, lambda m, choice: split_call(m, choice)(m), device)
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_unsplit, time_split)
     for (n, k), ((config, rows), best, base) in chosen.items():

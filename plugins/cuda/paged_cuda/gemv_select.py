@@ -11,6 +11,7 @@ inputs. Other row counts stay on cuBLAS.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
+from paged.kernels.compile_ahead import compile_ahead, default_workers
 from paged.kernels.gemv import OneRowGemv, gemv_split_k, split_k_counters
 
 log = logging.getLogger("paged")
@@ -97,6 +99,29 @@ def choose(
         if best <= MARGIN * base and math.isfinite(best):
             chosen[shape] = (config, best, base)
     return chosen
+
+
+def compile_configs(
+    shapes: dict[tuple, list],
+    configs: Callable[..., list],
+    run: Callable[[nn.Module, tuple], object],
+    device: torch.device,
+) -> None:
+    """Compile every shape's configs ahead, side by side on threads (`compile_ahead`): `run`
+    (a shape's first module, a config) is what the timing will launch, and Triton compiles
+    the kernels it launches without running them."""
+
+    @contextlib.contextmanager
+    def within():
+        with torch.cuda.device(device), torch.inference_mode():
+            yield
+
+    calls = [lambda m=mods[0], c=c: run(m, c) for shape, mods in shapes.items()
+             for c in configs(*shape)]  # fmt: skip
+    failed, seconds = compile_ahead(calls, within)
+    log.info("compiled %d kernel variants for start-up timing in %.1f s on %d threads%s",
+             len(calls), seconds, min(len(calls), default_workers()),
+             f" ({failed} failed)" if failed else "")  # fmt: skip
 
 
 def dense_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Linear]]:
@@ -182,11 +207,14 @@ def use_measured_gemv(model: nn.Module) -> None:
         before = inputs.unfused(mods[0])
         return graph_time([lambda m=m: F.linear(before(), m.weight, m.bias) for m in mods])
 
-    def time_gemv(mods: list[nn.Linear], config) -> float:
-        x, folded, silu = inputs.folded(mods[0])
-        return graph_time([lambda m=m: gemv_split_k(x, m.weight, m.bias, config, counters,
-                                                    folded, silu) for m in mods])  # fmt: skip
+    def gemv(mod: nn.Linear, config) -> torch.Tensor:
+        x, folded, silu = inputs.folded(mod)
+        return gemv_split_k(x, mod.weight, mod.bias, config, counters, folded, silu)
 
+    def time_gemv(mods: list[nn.Linear], config) -> float:
+        return graph_time([lambda m=m: gemv(m, config) for m in mods])
+
+    compile_configs(shapes, candidates, gemv, first.device)
     with torch.inference_mode():
         chosen = choose(shapes, candidates, time_cublas, time_gemv)
     for (n, k), (config, best, base) in chosen.items():

@@ -19,7 +19,13 @@ from torch import nn
 
 from paged.kernels.int4_gemm import Int4TunedGemm, int4_linear
 from paged.kernels.int4_gemm_split import Config, code_bits, default_config
-from paged_cuda.gemv_select import choose, graph_time, graph_time_or_inf, model_dtype
+from paged_cuda.gemv_select import (
+    choose,
+    compile_configs,
+    graph_time,
+    graph_time_or_inf,
+    model_dtype,
+)
 
 log = logging.getLogger("paged")
 
@@ -89,6 +95,8 @@ def use_measured_int4_gemm(model: nn.Module) -> None:
     def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
         return candidates(n, k, sms, bits)
 
+    compile_configs(shapes, configs,
+                    lambda m, c: int4_linear(xs[m.in_features], *args(m), c), device)  # fmt: skip
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_default, time_config)
     for key, (config, best, base) in chosen.items():
