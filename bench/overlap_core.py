@@ -12,7 +12,6 @@ step, their first in the step that computes their prompt.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import random
 import signal
@@ -153,8 +152,9 @@ def core_process(log_level: str, parent: int | None, addr_in: str, addr_out: str
     import zmq
 
     from paged.engine import async_engine as ae
+    from paged.logs import configure_logging
 
-    logging.basicConfig(level=log_level.upper(), format=ae.LOG_FORMAT)
+    configure_logging(log_level)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     if parent is not None:

@@ -8,7 +8,6 @@ Random token-id prompts of ``--input-len``, ``--output-len`` tokens each with ig
 from __future__ import annotations
 
 import argparse
-import logging
 import random
 import sys
 import time
@@ -46,7 +45,7 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
         p = sub.add_parser(name, help=help)
         if load:  # the engine flags import torch: only when this command runs
             from paged.config import EngineConfig
-            from paged.server.api import LOG_LEVELS
+            from paged.logs import LOG_LEVELS
 
             EngineConfig.add_cli_args(p, positional_model=False)
             p.add_argument(
@@ -86,10 +85,9 @@ def checked_config(args: argparse.Namespace) -> EngineConfig | None:
     def refuse(problem: str) -> None:
         print(f"error: {problem}", file=sys.stderr)
 
-    from paged.engine.async_engine import LOG_FORMAT
+    from paged.logs import configure_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    logging.getLogger("paged").setLevel(args.log_level.upper())  # where the root has handlers
+    configure_logging(args.log_level, paged_too=True)
     if problem := flag_error(args, LEAST, {"hf_max_seconds": 0}) or save_json_error(args.save_json):
         return refuse(problem)
     if args.baseline and args.baseline not in BASELINES:

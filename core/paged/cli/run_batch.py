@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction, load: bool = True) -> None:
     )
     if load:  # the engine flags import torch: only when this command runs
         from paged.config import EngineConfig
-        from paged.server.api import LOG_LEVELS, add_parsing_args
+        from paged.logs import LOG_LEVELS
+        from paged.server.api import add_parsing_args
 
         p.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
         EngineConfig.add_cli_args(p)
@@ -195,11 +196,11 @@ def run(args: argparse.Namespace, faults: Any = None) -> int:
     read or an output file that cannot be written (before the model loads). `faults`: test-only
     fault injection for the engine (paged/engine/faults.py)."""
     from paged.config import EngineConfig
-    from paged.engine.async_engine import LOG_FORMAT
+    from paged.logs import configure_logging
     from paged.server.api import run_loop
     from paged.server.serving_stack import parsing_options
 
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level)
     try:
         config = EngineConfig.from_cli_args(args)
         parsing_options(args)

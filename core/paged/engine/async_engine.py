@@ -36,11 +36,11 @@ from paged.engine.gc_pauses import freeze_startup_objects
 from paged.engine.messages import REJECTED, EngineOutput
 from paged.engine.outputs import OutputState
 from paged.engine.request import sample_params, sequence_ids
+from paged.logs import configure_logging
 from paged.lora.request import LoRARequest
 from paged.sampling.params import SamplingParams
 
 log = logging.getLogger("paged")
-LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 HEARTBEAT_S = 1.0  # the core process says it is alive this often
 
 
@@ -82,7 +82,7 @@ def _core_main(
     """placement: None, or an object whose apply() runs first (a replica's share of the
     host: paged.engine.placement.Placement). parent: the server's pid, or None in a Ray actor
     (which Ray ends with its owner, the server: paged.engine.ray_replicas)."""
-    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT)
+    configure_logging(log_level)
     if parent is not None:
         # The server's to handle: it drains, then stops us.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

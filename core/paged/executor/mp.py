@@ -17,6 +17,7 @@ from multiprocessing.connection import wait
 
 from paged.config import EngineConfig
 from paged.executor.base import Executor
+from paged.logs import configure_logging
 
 log = logging.getLogger("paged")
 
@@ -32,7 +33,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, log_level: in
     the others, then follow the driver's steps until it says stop."""
     from paged.worker.worker import Worker, follow_steps
 
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(log_level)
     for sig in (signal.SIGINT, signal.SIGHUP):  # the engine above stops us
         signal.signal(sig, signal.SIG_IGN)
     worker = Worker(config, rank, init_method)

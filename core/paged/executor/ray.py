@@ -85,9 +85,10 @@ class RankActor:
         """Build this rank's part, size and allocate its KV cache in step with the others,
         then follow the driver's steps until it says stop (only then does this return)."""
         from paged.distributed import destroy_distributed
+        from paged.logs import LOG_FORMAT
         from paged.worker.worker import Worker, follow_steps
 
-        logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+        logging.basicConfig(format=LOG_FORMAT)
         logging.getLogger("paged").setLevel(log_level)
         worker = Worker(config, rank, init_method, local_rank)
         worker.init_cache(worker.num_blocks())

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged.config import EngineConfig, parse_bytes
 from paged.engine.gc_pauses import freeze_startup_objects
+from paged.logs import LOG_LEVELS, configure_logging
 from paged.server.http_options import add_http_args, check_http_args, scheme, uvicorn_options
 from paged.server.metrics import PREFIXES
 from paged.server.request_log import add_log_args, check_log_args
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
     from paged.engine.faults import Faults
 
 log = logging.getLogger("paged.server")
-LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -181,9 +181,7 @@ def add_parsing_args(parser: argparse.ArgumentParser) -> None:
 def serve_main(args: argparse.Namespace, faults: Faults | None = None) -> int:
     """Run the server until SIGINT/SIGTERM (0) or until the engine dies (1). `faults`: test-only
     fault injection for the engine (tests/fault_server.py)."""
-    from paged.engine.async_engine import LOG_FORMAT
-
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level)
     try:
         config = EngineConfig.from_cli_args(args)
     except ValueError as e:
