@@ -181,6 +181,27 @@ def test_gguf_blocks_are_read_as_asked_not_held(default_src, default_cfg, tmp_pa
         blocks[name]
 
 
+def test_gguf_weights_just_built_are_read_back_as_iterated(default_src, default_cfg, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """A GGUF's dequantized weights, just built and cached, are read from the cache entry as
+    the model takes them (a generator over its files), not held as the built float32 dict
+    while the model loads; the weights are the same as a cache hit's."""
+    from paged.model import hf_loader
+
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    skip = set(weight_blocks(default_src, default_cfg))  # as the CPU platform leaves them out
+    read, real = [], hf_loader.iter_safetensors
+    monkeypatch.setattr(hf_loader, "iter_safetensors", lambda d, progress=True: read.append(d)
+                        or real(d, progress))  # fmt: skip
+    built = loader.iter_weights(default_src, default_cfg, progress=False, skip=skip)
+    first = dict(built)
+    (entry,) = (tmp_path / read[0]).parent.iterdir()
+    assert read == [str(entry)] and entry.parent.name.startswith("weights-less-")
+    assert first and not skip & set(first)
+    again = dict(loader.iter_weights(default_src, default_cfg, progress=False, skip=skip))
+    assert len(read) == 2 and all(torch.equal(again[k], v) for k, v in first.items())
+
+
 class _Saved:
     def __init__(self, value: str) -> None:
         self.value = value

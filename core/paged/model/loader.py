@@ -252,6 +252,7 @@ def iter_weights(
         src.path,
         load=lambda d: iter_safetensors(d, progress),
         build=lambda: _Tensors(iter_gguf(src.path, config, progress, keep)),
+        reread=True,  # just built: the float32 arrays let go, read from the entry as iterated
     )
     yield from (obj.items() if isinstance(obj, _Tensors) else obj)
 
