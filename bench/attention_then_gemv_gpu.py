@@ -9,8 +9,9 @@ For Llama-3.1-8B's o_proj (4096 x 4096) in a CUDA graph over 32 layers (a weight
 per layer; 32 query heads, 8 KV heads, head 128; the attention as the engine launches it at
 batch 1: rotary and K/V write inside, splits merged by the last one), per config: the GEMV
 alone, the attention then the GEMV, and `hidden` = attention alone + GEMV alone - both, in us
-a layer. bf16: cuBLAS and gemv_select's candidates; fp8: the unsplit tensor-core GEMV and
-fp8_select's split candidates.
+a layer. bf16: cuBLAS, gemv_select's candidates and wider tiles (a slice of K in one or two
+BLOCK_K steps: more of a program's weight loaded before its wait); fp8: the unsplit
+tensor-core GEMV and fp8_select's split candidates.
 
     python bench/attention_then_gemv_gpu.py [--ctx 192] [--kinds bf16,fp8] [--no-pdl]
 """
@@ -74,7 +75,9 @@ def gemv_configs(kind: str, weights: list, x: torch.Tensor) -> dict[str, list]:
     counters = torch.zeros(4 * N, dtype=torch.int32, device="cuda")
     if kind == "bf16":
         out = {"cuBLAS": [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]}
-        for c in gemv_select.candidates(N, N):
+        whole = [(bn, bk, split, 4) for bn in (8, 16, 32) for bk in (512, 1024)
+                 for split in (2, 4, 8) if bn * bk <= 8192 and N // split >= bk]  # fmt: skip
+        for c in dict.fromkeys([*gemv_select.candidates(N, N), *whole]):
             out[f"gemv {c}"] = [lambda w=w, c=c: gemv_split_k(x, w, None, c, counters)
                                 for w in weights]  # fmt: skip
         return out
