@@ -9,7 +9,8 @@ or hang loses nothing else): ``ceilings`` (copy GB/s, bf16 matmul TFLOP/s), ``la
 bench throughput` with HF static-compiled batch 64 and generate_batch, each HF mode held to
 --tp-hf-seconds by scaling its prompt count), ``serve`` (`paged serve` + `paged bench
 serve`), ``latency-eager`` (paged with --enforce-eager), ``latency-sync`` (paged with
---no-async-scheduling). Results: $OUT/h200.md (a markdown
+--no-async-scheduling), ``latency-fp8`` (paged with --quantization fp8, its start-up logged:
+the kernel variants compiled ahead and the GEMV timing). Results: $OUT/h200.md (a markdown
 section, also appended to bench/results/h200.md), $OUT/h200.json, logs in $OUT/logs/.
 """
 
@@ -32,10 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync", "long")
+PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync", "long",
+          "latency-fp8")
 RESERVE_S = 15  # kept back from the budget to write the results
 # Floors from issue 4 (one H200, Llama-3.1-8B shape, bf16).
 FLOOR_TPOT_MS, FLOOR_TP_TOK_S, FLOOR_TTFT_MS, FLOOR_ITL_MS = 5.0, 15000.0, 60.0, 10.0
+FLOOR_FP8_TPOT_MS = 2.6  # issue 15: batch-1 decode with --quantization fp8
+STARTUP_LINES = ("compiled", "start-up GEMV timing took")  # the fp8 run's start-up, logged
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a(f"--{name}-timeout", type=float, default=t, help="seconds")
     a("--latency-eager-timeout", type=float, default=120, help="seconds")
     a("--latency-sync-timeout", type=float, default=120, help="seconds")
+    a("--latency-fp8-timeout", type=float, default=300, help="seconds (start-up included)")
     a("--long-input", type=int, default=32000, help="long: one prompt of this many tokens")
     a("--long-output", type=int, default=128)
     a("--long-timeout", type=float, default=240, help="seconds")
@@ -207,8 +212,8 @@ def phase_ceilings(args, out: Path, timeout: float) -> dict:
 
 
 def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
-    """variant: "" (the default engine, with the HF baselines), "eager" (no CUDA graphs) or
-    "sync" (no overlapped steps): paged alone."""
+    """variant: "" (the default engine, with the HF baselines), "eager" (no CUDA graphs),
+    "sync" (no overlapped steps) or "fp8" (--quantization fp8, start-up logged): paged alone."""
     name = f"latency-{variant}" if variant else "latency"
     path = out / f"{name}.json"
     cmd = paged("bench", "latency", *_model_args(args), "--batch-size", args.lat_batch,
@@ -219,11 +224,18 @@ def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
         cmd.append("--enforce-eager")
     elif variant == "sync":
         cmd.append("--no-async-scheduling")
+    elif variant == "fp8":
+        cmd += ["--quantization", "fp8", "--log-level", "info"]
     elif args.lat_hf_modes:
         cmd += ["--baseline", "hf", "--hf-modes", args.lat_hf_modes, "--hf-batch-size",
                 str(args.lat_batch), "--hf-num-iters", str(args.lat_hf_iters)]  # fmt: skip
     rc = run(name, cmd, timeout, out / "logs")
-    return {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
+    res = {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
+    if variant == "fp8":
+        log = (out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
+        res["startup"] = [line.split(": ", 1)[-1] for line in log
+                          if any(s in line for s in STARTUP_LINES)]  # fmt: skip
+    return res
 
 
 def phase_latency(args, out: Path, timeout: float) -> dict:
@@ -236,6 +248,10 @@ def phase_latency_eager(args, out: Path, timeout: float) -> dict:
 
 def phase_latency_sync(args, out: Path, timeout: float) -> dict:
     return _latency(args, out, timeout, "sync")
+
+
+def phase_latency_fp8(args, out: Path, timeout: float) -> dict:
+    return _latency(args, out, timeout, "fp8")
 
 
 def phase_long(args, out: Path, timeout: float) -> dict:
@@ -404,6 +420,7 @@ RUNNERS = {
     "latency-eager": phase_latency_eager,
     "latency-sync": phase_latency_sync,
     "long": phase_long,
+    "latency-fp8": phase_latency_fp8,
 }
 
 
@@ -474,7 +491,8 @@ def _cmds(r: dict) -> list[str]:
 
 def _latency_md(args, res: dict) -> list[str]:
     lat, eag, syn = res.get("latency"), res.get("latency-eager"), res.get("latency-sync")
-    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag, syn)):
+    fp8 = res.get("latency-fp8")
+    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag, syn, fp8)):
         return []  # the phase's error line says why
     out = [
         f"\n### Latency: batch {args.lat_batch}, {args.lat_input} in / {args.lat_output} out\n",
@@ -485,6 +503,7 @@ def _latency_md(args, res: dict) -> list[str]:
         ("paged, mean", lat or {}),
         ("paged --no-async-scheduling, mean", syn or {}),
         ("paged --enforce-eager, mean", eag or {}),
+        ("paged --quantization fp8, mean", fp8 or {}),
     ):
         if "mean_tpot_ms" in r:
             out.append(
@@ -507,7 +526,12 @@ def _latency_md(args, res: dict) -> list[str]:
     tpot = (lat or {}).get("mean_tpot_ms")
     ok = None if tpot is None else tpot <= FLOOR_TPOT_MS
     out.append(f"\nfloor: decode <= {FLOOR_TPOT_MS} ms/token: {_ok(ok)}")
-    return out + _cmds(lat or {}) + _cmds(syn or {}) + _cmds(eag or {})
+    if fp8:
+        tpot = fp8.get("mean_tpot_ms")
+        ok = None if tpot is None else tpot <= FLOOR_FP8_TPOT_MS
+        out.append(f"\nfp8 floor (issue 15): decode <= {FLOOR_FP8_TPOT_MS} ms/token: {_ok(ok)}")
+        out += [f"\n- fp8 start-up: {line}" for line in fp8.get("startup", [])]
+    return out + _cmds(lat or {}) + _cmds(syn or {}) + _cmds(eag or {}) + _cmds(fp8 or {})
 
 
 def _throughput_md(args, res: dict) -> list[str]:

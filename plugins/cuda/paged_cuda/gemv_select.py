@@ -118,6 +118,8 @@ def compile_configs(
 
     calls = [lambda m=mods[0], c=c: run(m, c) for shape, mods in shapes.items()
              for c in configs(*shape)]  # fmt: skip
+    if not calls:
+        return
     failed, seconds = compile_ahead(calls, within)
     log.info("compiled %d kernel variants for start-up timing in %.1f s on %d threads%s",
              len(calls), seconds, min(len(calls), default_workers()),
