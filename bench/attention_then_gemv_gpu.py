@@ -9,9 +9,11 @@ For Llama-3.1-8B's o_proj (4096 x 4096) in a CUDA graph over 32 layers (a weight
 per layer; 32 query heads, 8 KV heads, head 128; the attention as the engine launches it at
 batch 1: rotary and K/V write inside, splits merged by the last one), per config: the GEMV
 alone, the attention then the GEMV, and `hidden` = attention alone + GEMV alone - both, in us
-a layer. bf16: cuBLAS, gemv_select's candidates and wider tiles (a slice of K in one or two
-BLOCK_K steps: more of a program's weight loaded before its wait); fp8: the unsplit
-tensor-core GEMV and fp8_select's split candidates.
+a layer; and the same with a spinner as long as the attention, reading nothing, in its
+place (`hidden (spin)`: whether start-up timing could stand one in for the attention).
+bf16: cuBLAS, gemv_select's candidates and wider tiles (a slice of K in one or two BLOCK_K
+steps: more of a program's weight loaded before its wait); fp8: the unsplit tensor-core GEMV
+and fp8_select's split candidates.
 
     python bench/attention_then_gemv_gpu.py [--ctx 192] [--kinds bf16,fp8] [--no-pdl]
 """
@@ -23,11 +25,32 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "plugins" / "cuda"))
 
 H, HKV, D, BS, LAYERS, N = 32, 8, 128, 16, 32, 4096
+
+
+@triton.jit
+def _spin_kernel(ns, PDL: tl.constexpr):
+    """A stand-in for the attention: each program waits for the kernel before it, lets the next
+    start launching (as the attention does), then spins `ns` nanoseconds reading nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    start = tl.extra.cuda.globaltimer()
+    while tl.extra.cuda.globaltimer() - start < ns:
+        pass
+
+
+def spinner_calls(ns: int, programs: int) -> list:
+    """One spin a layer, on as many programs as the attention's grid."""
+    from paged.kernels import pdl
+
+    return [lambda: _spin_kernel[(programs,)](ns, **pdl.launch())] * LAYERS
 
 
 def us_per_layer(calls) -> float:
@@ -101,8 +124,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/attention_then_gemv_gpu.py: no CUDA device, skipping")
         return 0
-    import triton
-
     from paged.kernels import pdl
     from paged.kernels.compile_ahead import compile_ahead
     from paged.kernels.fp8_gemm import quantize_fp8_rows
@@ -114,7 +135,11 @@ def main() -> int:
     with torch.inference_mode():
         attn, x = attention_calls(args.ctx, gen)
         t_attn = us_per_layer(attn)
-        print(f"attention alone {t_attn:.2f}", flush=True)
+        from paged.kernels.decode import MAX_SPLITS
+
+        spin = spinner_calls(int(t_attn * 1e3), HKV * MAX_SPLITS)
+        t_spin = us_per_layer(spin)
+        print(f"attention alone {t_attn:.2f}; spinner alone {t_spin:.2f}", flush=True)
         bf16 = [torch.randn(N, N, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
                 for _ in range(LAYERS)]  # fmt: skip
         for kind in args.kinds.split(","):
@@ -127,14 +152,16 @@ def main() -> int:
                 try:
                     alone = us_per_layer(calls)
                     both = us_per_layer([f for pair in zip(attn, calls) for f in pair]) * 2
+                    spun = us_per_layer([f for pair in zip(spin, calls) for f in pair]) * 2
                 except triton.runtime.errors.OutOfResources:
                     continue
-                rows.append((both, label, alone))
+                rows.append((both, label, alone, spun))
             rows.sort()
-            print(f"{kind}: config, GEMV alone, attention + GEMV, hidden", flush=True)
-            for both, label, alone in rows:
-                print(f"  {label:34s} {alone:6.2f} {both:6.2f} {t_attn + alone - both:6.2f}",
-                      flush=True)  # fmt: skip
+            print(f"{kind}: config, GEMV alone, attention + GEMV, hidden, spinner + GEMV, "
+                  "hidden (spin)", flush=True)  # fmt: skip
+            for both, label, alone, spun in rows:
+                print(f"  {label:34s} {alone:6.2f} {both:6.2f} {t_attn + alone - both:6.2f} "
+                      f"{spun:6.2f} {t_spin + alone - spun:6.2f}", flush=True)  # fmt: skip
     return 0
 
 
