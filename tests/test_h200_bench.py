@@ -4,27 +4,14 @@ run itself is faked (no GPU here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def _h200():
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("h200_bench", BENCH / "h200.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+from bench_scripts import load_bench
 
 
 def test_the_fp8_phase_keeps_its_start_up_lines_and_judges_the_floor(tmp_path, monkeypatch):
-    h200 = _h200()
+    h200 = load_bench("h200")
     args = h200.parse_args(["--phases", "latency-fp8", "--no-append", "--out", str(tmp_path)])
     (tmp_path / "logs").mkdir()
     ran = []

@@ -3,28 +3,17 @@ models, TP=2 against TP=1 over gloo), and how it judges a divergence (near-tie o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_scripts import BENCH, load_bench
 
 
 def _module():
-    """bench/multi_gpu.py loaded by path (bench/ is scripts; it imports h200 and common)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("multi_gpu", BENCH / "multi_gpu.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["multi_gpu"] = mod  # dataclasses look their module up by name
-        spec.loader.exec_module(mod)
-        return mod
-    finally:
-        sys.path.remove(str(BENCH))
+    """bench/multi_gpu.py (it imports h200 and common)."""
+    return load_bench("multi_gpu")
 
 
 def test_compare_reports_the_first_divergence_and_its_gap():
