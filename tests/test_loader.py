@@ -16,7 +16,6 @@ from paged.model.loader import (
     ModelLoadError,
     ModelSource,
     default_model_path,
-    iter_weight_blocks,
     iter_weights,
     load_config,
     load_tokenizer,
@@ -158,9 +157,9 @@ def test_gguf_blocks_cache(default_src, default_cfg, tmp_path, monkeypatch):
 
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     fresh = {name: rest for name, *rest in iter_gguf_blocks(default_src.path, default_cfg)}
-    built = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
+    built = dict(weight_blocks(default_src, default_cfg).items())
     assert len(list((tmp_path / "blocks3").iterdir())) == 1
-    cached = {name: rest for name, *rest in iter_weight_blocks(default_src, default_cfg)}
+    cached = dict(weight_blocks(default_src, default_cfg).items())
     assert set(fresh) == set(built) == set(cached) and len(fresh) == 7 * 30 + 1
     for name, arrays in fresh.items():
         for want, a, b in zip(arrays, built[name], cached[name]):

@@ -282,14 +282,6 @@ def weight_blocks(src: ModelSource, config: PretrainedConfig) -> GgufBlocks:
     return GgufBlocks(obj)
 
 
-def iter_weight_blocks(
-    src: ModelSource, config: PretrainedConfig
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """weight_blocks' entries as (HF name, codes, d, m), read as iterated."""
-    for name, arrays in weight_blocks(src, config).items():
-        yield name, *arrays
-
-
 class GgufBlocks(Mapping):
     """{HF name: (codes, d, m)} over tensors stored as "name:codes", "name:d", "name:m"."""
 
