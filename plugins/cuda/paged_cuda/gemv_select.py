@@ -120,9 +120,10 @@ def compile_configs(
              for c in configs(*shape)]  # fmt: skip
     if not calls:
         return
-    failed, seconds = compile_ahead(calls, within)
+    workers = min(len(calls), default_workers())
+    failed, seconds = compile_ahead(calls, within, workers)
     log.info("compiled %d kernel variants for start-up timing in %.1f s on %d threads%s",
-             len(calls), seconds, min(len(calls), default_workers()),
+             len(calls), seconds, workers,
              f" ({failed} failed)" if failed else "")  # fmt: skip
 
 

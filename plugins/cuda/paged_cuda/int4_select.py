@@ -80,23 +80,22 @@ def use_measured_int4_gemm(model: nn.Module) -> None:
     dtype = model_dtype(model)
     xs = {key[1]: torch.randn(1, key[1], device=device, dtype=dtype) for key in shapes}
 
-    def args(mod: nn.Module) -> tuple:
-        return (mod.codes, mod.scales, mod.zeros, mod.group_k, mod.bias,
-                getattr(mod, "mins", None), code_bits(mod))  # fmt: skip
+    def gemm(mod: nn.Module, config: Config | None = None) -> torch.Tensor:
+        """mod's int4 linear of one row under `config` (None: the default one)."""
+        mins = getattr(mod, "mins", None)
+        return int4_linear(xs[mod.in_features], mod.codes, mod.scales, mod.zeros, mod.group_k,
+                           mod.bias, mins, code_bits(mod), config)  # fmt: skip
 
     def time_default(mods: list[nn.Module]) -> float:
-        x = xs[mods[0].in_features]
-        return graph_time([lambda m=m: int4_linear(x, *args(m)) for m in mods])
+        return graph_time([lambda m=m: gemm(m) for m in mods])
 
     def time_config(mods: list[nn.Module], config: Config) -> float:
-        x = xs[mods[0].in_features]
-        return graph_time_or_inf([lambda m=m: int4_linear(x, *args(m), config) for m in mods])
+        return graph_time_or_inf([lambda m=m: gemm(m, config) for m in mods])
 
     def configs(n: int, k: int, group: int, mins: bool, bits: int) -> list[Config]:
         return candidates(n, k, sms, bits)
 
-    compile_configs(shapes, configs,
-                    lambda m, c: int4_linear(xs[m.in_features], *args(m), c), device)  # fmt: skip
+    compile_configs(shapes, configs, gemm, device)
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_default, time_config)
     for key, (config, best, base) in chosen.items():

@@ -84,7 +84,7 @@ class CudaPlatform(AcceleratorPlatform):
             use_measured_fp8_gemv(model)
             use_measured_int4_gemm(model)
             self.empty_cache()  # the timing graphs' memory
-            # each candidate config compiles first where the Triton cache is cold
+            # where the Triton cache is cold, the candidate configs compile first (on threads)
             log.info("start-up GEMV timing took %.1f s", time.perf_counter() - t0)
 
     def ops(self):
