@@ -42,17 +42,11 @@ def variants() -> list[tuple[str, tuple, str]]:
     """(shape, config, rows) for every split-GEMV variant fp8_select times on an H200."""
     import torch
 
-    from paged.kernels.gemv import dot_config
-    from paged_cuda.fp8_select import candidates, one_slice
+    from paged_cuda.fp8_select import tried
 
-    out = []
-    for name, (n, k, op) in SHAPES.items():
-        block_n, block_k, warps, stages = dot_config(n, k, torch.device("meta"))  # fits an H200
-        tiles = [(block_n, block_k, 1, warps, stages), *one_slice(n, k, SMS, SMEM),
-                 *candidates(n, k, SMS, SMEM)]  # fmt: skip
-        for rows in ("fold", "amax") if op else ("fold",):
-            out += [(name, c, rows) for c in dict.fromkeys(tiles)]
-    return out
+    meta = torch.device("meta")  # dot_config's tile as is: it fits an H200's shared memory
+    return [(name, config, rows) for name, (n, k, op) in SHAPES.items()
+            for config, rows in tried(n, k, SMS, SMEM, meta, op is not None)]  # fmt: skip
 
 
 def compile_one(variant: tuple[str, tuple, str]) -> None:

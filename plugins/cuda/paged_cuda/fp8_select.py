@@ -85,6 +85,20 @@ def one_slice(n: int, k: int, sms: int, smem: int) -> list[Config]:
     return out
 
 
+def tried(n: int, k: int, sms: int, smem: int, device: torch.device,
+          op_before: bool) -> list[tuple[Config, str]]:  # fmt: skip
+    """(config, rows) that start-up timing tries for weight [n, k]: the unsplit kernel's tile
+    on the split kernel (what folds the op in), then splits; after a norm or SiLU-and-mul
+    (`op_before`) each also with the op's kernel writing the rows' absmax (Fp8SplitGemv's rows
+    "amax")."""
+    block_n, block_k, warps, stages = dot_config(n, k, device)
+    unsplit = (block_n, block_k, 1, warps, stages)
+    tiles = [unsplit, *(c for c in one_slice(n, k, sms, smem) if c != unsplit),
+             *candidates(n, k, sms, smem)]  # fmt: skip
+    rows = ["fold", "amax"] if op_before else ["fold"]
+    return [(c, r) for r in rows for c in tiles]
+
+
 def fp8_linears(model: nn.Module) -> dict[tuple[int, int], list[nn.Module]]:
     """The model's fp8 linears with per-channel scales on the GPU, by weight shape (n, k)."""
     from paged.quantization.base import QuantLinear
@@ -121,15 +135,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     amax_shapes = {shape for shape, mods in shapes.items() if id(mods[0]) in ops_before}
 
     def configs(n: int, k: int) -> list[tuple[Config, str]]:
-        """The unsplit kernel's tile on the split kernel (what folds the op in), then splits;
-        after a norm or SiLU-and-mul each also with the op's kernel writing the rows' absmax
-        (Fp8SplitGemv's rows "amax")."""
-        block_n, block_k, warps, stages = dot_config(n, k, device)
-        unsplit = (block_n, block_k, 1, warps, stages)
-        tiles = [unsplit, *(c for c in one_slice(n, k, sms, smem) if c != unsplit),
-                 *candidates(n, k, sms, smem)]  # fmt: skip
-        rows = ["fold", "amax"] if (n, k) in amax_shapes else ["fold"]
-        return [(c, r) for r in rows for c in tiles]
+        return tried(n, k, sms, smem, device, (n, k) in amax_shapes)
 
     most = max(split_counters(n, c) for n, k in shapes for c, _ in configs(n, k))
     counters = torch.zeros(most, dtype=torch.int32, device=device)
