@@ -3,11 +3,13 @@
 Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
 to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
 table. With num_splits == 1 it writes `out` directly. Otherwise it writes a partial (acc, max,
-sum) to a fp32 workspace, merged one of two ways: given `counters`, each program takes a
-ticket from an int32 counter per (sequence, KV head) and the one that takes the last merges
-the splits in index order (the same result whichever program finishes last), writes `out` and
-resets the counter to 0 for the next launch; without, `_reduce_kernel` (a second launch, one
-program per (sequence, KV head)) merges them, in the same order and arithmetic (`_merge`).
+sum) to a fp32 workspace, merged one of two ways: given `counters`, the splits that hold
+keys take a ticket from an int32 counter per (sequence, KV head) and the one that takes the
+last merges them in index order (the same result whichever program finishes last), writes
+`out` and resets the counter to 0 for the next launch; splits past the context stop at once,
+and a context in one split is written by its program directly (what the merge would write);
+without, `_reduce_kernel` (a second launch, one program per (sequence, KV head)) merges all
+num_splits partials, the empty ones included, in the same order and arithmetic (`_merge`).
 
 Given this step's `key`/`value`, the program whose split holds the newest position also
 writes that token to the cache first (`reshape_and_cache` fused in). Launch grids depend only
@@ -161,6 +163,11 @@ def _split_kernel(
     chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    # Splits that hold keys (split 0 always): merged by ticket, the others stop here. A graph
+    # launches MAX_SPLITS, so at a short context most programs are empty.
+    used = tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
+    if TICKET and split >= used:
+        return
     b64 = b.to(tl.int64)
 
     k_scale = 1.0
@@ -219,7 +226,7 @@ def _split_kernel(
     if QUANT:
         acc = acc * v_scale
     o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
-    if not SPLIT:
+    if (not SPLIT) or (TICKET and used == 1):  # what merging one split would write
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -229,8 +236,8 @@ def _split_kernel(
         tl.store(w + HEAD_DIM, m_i, mask=row_ok)
         tl.store(w + HEAD_DIM + 1, l_i, mask=row_ok)
         if TICKET:
-            _merge_if_last(w_row, o_ptrs, count_ptr, b * tl.num_programs(1) + kv_head,
-                           num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
+            _merge_if_last(w_row, o_ptrs, count_ptr, b * tl.num_programs(1) + kv_head, used,
+                           stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
                            BLOCK_H)  # fmt: skip
 
 
