@@ -85,12 +85,15 @@ def _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT: tl.const
               MIN_ULP: tl.constexpr):  # fmt: skip
     """Store K/V tiles at cache offsets `dst`. An fp8 cache (QUANT) stores x / scale (IEEE
     division, as torch's) saturated to the fp8 range; `ks`/`vs` are the scales in the tiles'
-    shape."""
+    shape. Returns what was stored (in the cache's dtype)."""
     if QUANT:
         k = _to_fp8(tl.math.div_rn(k.to(tl.float32), ks), FP8_MAX, ROUND, MANT, MIN_ULP)
         v = _to_fp8(tl.math.div_rn(v.to(tl.float32), vs), FP8_MAX, ROUND, MANT, MIN_ULP)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = k.to(k_cache_ptr.dtype.element_ty)
+    v = v.to(v_cache_ptr.dtype.element_ty)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+    return k, v
 
 
 @triton.jit

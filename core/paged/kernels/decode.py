@@ -59,33 +59,31 @@ def _rotated(ptrs, d, mask, cos, sin, HALF: tl.constexpr):
 
 @triton.jit
 def _write_newest(
-    key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head, k_scale, v_scale,
+    key_ptr, value_ptr, slot, k_cache_ptr, v_cache_ptr, b64, kv_head, k_scale, v_scale,
     stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_cs, stride_ch, cos, sin,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, ROUND: tl.constexpr, MANT: tl.constexpr,
     MIN_ULP: tl.constexpr, ROTARY: tl.constexpr,
 ):  # fmt: skip
-    """Sequence b's newest K/V of `kv_head` to its slot (slot < 0: padding, skipped), stored
-    as _reshape_and_cache_kernel stores it (_store_kv); under ROTARY, K rotated first (cos/sin
-    of its position)."""
-    slot = tl.load(slot_ptr + b64).to(tl.int64)
-    if slot >= 0:
-        d = tl.arange(0, HEAD_PAD)
-        mask = d < HEAD_DIM
-        k_row = key_ptr + b64 * stride_kb + kv_head * stride_kh
-        if ROTARY:
-            k = _rotated(k_row, d, mask, cos, sin, HEAD_DIM // 2)
-        else:
-            k = tl.load(k_row + d, mask=mask)
-        v = tl.load(value_ptr + b64 * stride_vb + kv_head * stride_vh + d, mask=mask)
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        dst += kv_head * stride_ch + d
-        ks, vs = k_scale, v_scale
-        if QUANT:  # (div_rn takes operands of one shape)
-            ks = tl.broadcast_to(k_scale, (HEAD_PAD,))
-            vs = tl.broadcast_to(v_scale, (HEAD_PAD,))
-        _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT, FP8_MAX, ROUND,
-                  MANT, MIN_ULP)  # fmt: skip
+    """Sequence b's newest K/V of `kv_head` to its slot (>= 0), stored as
+    _reshape_and_cache_kernel stores it (_store_kv); under ROTARY, K rotated first (cos/sin of
+    its position). Returns what was stored (the cache's dtype, zeros past HEAD_DIM)."""
+    d = tl.arange(0, HEAD_PAD)
+    mask = d < HEAD_DIM
+    k_row = key_ptr + b64 * stride_kb + kv_head * stride_kh
+    if ROTARY:
+        k = _rotated(k_row, d, mask, cos, sin, HEAD_DIM // 2)
+    else:
+        k = tl.load(k_row + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + b64 * stride_vb + kv_head * stride_vh + d, mask=mask, other=0.0)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst += kv_head * stride_ch + d
+    ks, vs = k_scale, v_scale
+    if QUANT:  # (div_rn takes operands of one shape)
+        ks = tl.broadcast_to(k_scale, (HEAD_PAD,))
+        vs = tl.broadcast_to(v_scale, (HEAD_PAD,))
+    return _store_kv(k_cache_ptr, v_cache_ptr, dst, k, v, ks, vs, mask, QUANT, FP8_MAX, ROUND,
+                     MANT, MIN_ULP)  # fmt: skip
 
 
 # Arguments that vary from step to step are not specialised on (Triton compiles a variant for
@@ -149,7 +147,8 @@ def _split_kernel(
     MIN_ULP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl.enter(PDL)
+    # Before the PDL wait: what only earlier steps or the host write (lengths, block table,
+    # positions, scales and, when this launch writes the step's K/V, the cached K/V).
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,14 +182,29 @@ def _split_kernel(
         rope_row = cos_sin_ptr + tl.load(pos_ptr + b64).to(tl.int64) * stride_rope
         cos = tl.load(rope_row + d % (HEAD_DIM // 2)).to(tl.float32)
         sin = tl.load(rope_row + HEAD_DIM // 2 + d % (HEAD_DIM // 2)).to(tl.float32)
+    bt_row = bt_ptr + b64 * stride_bt
+    first = start
+    if WRITE_KV:  # the first tile now; the newest token (written below) put in from registers
+        slot = tl.load(slot_ptr + b64).to(tl.int64)
+        newest = tl.where(slot >= 0, seq_len - 1, -1)  # slot < 0: padding, nothing written
+        pos0 = start + tl.arange(0, BLOCK_N)
+        k0, v0 = _load_kv_tile(
+            k_cache_ptr, v_cache_ptr, bt_row, kv_head, pos0, pos0 < end,
+            stride_cb, stride_cs, stride_ch, BLOCK_SIZE, HEAD_DIM, HEAD_PAD,
+        )  # fmt: skip
+        first = start + BLOCK_N
+
+    pdl.enter(PDL)
     if WRITE_KV:  # the newest token (position seq_len - 1) is in this split: cache it first
-        if (start <= seq_len - 1) & (seq_len - 1 < end):
-            _write_newest(
-                key_ptr, value_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, b64, kv_head,
-                k_scale, v_scale, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb,
-                stride_cs, stride_ch, cos, sin, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, QUANT,
-                FP8_MAX, ROUND, MANT, MIN_ULP, ROTARY,
+        if (start <= newest) & (newest < end):
+            k_new, v_new = _write_newest(
+                key_ptr, value_ptr, slot, k_cache_ptr, v_cache_ptr, b64, kv_head, k_scale,
+                v_scale, stride_kb, stride_kh, stride_vb, stride_vh, stride_cb, stride_cs,
+                stride_ch, cos, sin, BLOCK_SIZE, HEAD_DIM, HEAD_PAD, QUANT, FP8_MAX, ROUND,
+                MANT, MIN_ULP, ROTARY,
             )  # fmt: skip
+            k0 = tl.where(pos0[None, :] == newest, k_new[:, None], k0)
+            v0 = tl.where(pos0[:, None] == newest, v_new[None, :], v0)
         tl.debug_barrier()  # the program's threads read it below
 
     g = tl.arange(0, BLOCK_H)
@@ -208,8 +222,13 @@ def _split_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
-    bt_row = bt_ptr + b64 * stride_bt
-    for s0 in range(start, end, BLOCK_N):
+    if WRITE_KV:  # the first tile, loaded before the wait
+        k_t, v = _dequant_tile(k0, v0, q, QUANT, UPCAST)
+        acc, m_i, l_i = _softmax_step(
+            q, k_t, v, acc, m_i, l_i, (pos0 < end)[None, :], qk_scale, IEEE, UPCAST,
+            SOFTCAP=SOFTCAP, cap_log2e=cap_log2e,
+        )  # fmt: skip
+    for s0 in range(first, end, BLOCK_N):
         pos = s0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k_t, v = _load_kv_tile(

@@ -2,9 +2,11 @@
 
 Launched with PDL, a kernel's programs may start while the kernel before it in the stream is
 still finishing, once every program of that one has called `griddepcontrol.launch_dependents`.
-Until its `griddepcontrol.wait` returns, a program may read only what no kernel before it
-writes (a weight); after it, everything earlier in the stream is complete and visible. This
-hides the launch gap and the tail of each kernel in a chain of small decode kernels.
+Until its `griddepcontrol.wait` returns, a program may read only what the kernel just before
+it does not write (a weight; and, since every kernel here signals only after its own wait,
+what kernels two or more launches back wrote: those completed before this one could start);
+after it, everything earlier in the stream is complete and visible. This hides the launch gap
+and the tail of each kernel in a chain of small decode kernels.
 
 The kernels here take a `PDL` constexpr: `enter(PDL)` first (the wait, then the signal that
 lets the next kernel start), and the launch passes `**launch()`. The CUDA platform turns it on
