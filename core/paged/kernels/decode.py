@@ -40,6 +40,8 @@ from ._attn_common import (
 )
 
 MAX_SPLITS = 32
+_SPLITS = tl.constexpr(MAX_SPLITS)
+_UNROLL = tl.constexpr(4)  # splits merged a step: their partials' loads in flight together
 _TARGET_PROGRAMS = 256  # enough (B x kv_heads x splits) programs to fill a large GPU
 _MIN_KEYS_PER_SPLIT = 128  # one BLOCK_N tile
 
@@ -264,23 +266,26 @@ def _split_kernel(
 def _merge(w_row, o_ptrs, num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM: tl.constexpr,
            HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     """Merge the partials at w_row (one row a query head) into o_ptrs, as the splits' own
-    softmax states: the max over splits, then the sums rescaled to it, in split order."""
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    for s in range(0, num_splits):
-        m_s = tl.load(w_row + s * stride_ws + HEAD_DIM, mask=row_ok, other=-1.0e30,
-                      cache_modifier=".cg")  # fmt: skip
-        m = tl.maximum(m, m_s)
+    softmax states: the max over splits (one load of every split's max), then the sums
+    rescaled to it, in split order, UNROLL splits' loads issued together."""
+    s = tl.arange(0, _SPLITS)
+    m_all = tl.load(w_row[:, None] + s[None, :] * stride_ws + HEAD_DIM,
+                    mask=row_ok[:, None] & (s[None, :] < num_splits), other=-1.0e30,
+                    cache_modifier=".cg")  # fmt: skip
+    m = tl.max(m_all, 1)
     denom = tl.zeros([BLOCK_H], tl.float32)
     total = tl.zeros([BLOCK_H, HEAD_PAD], tl.float32)
-    for s in range(0, num_splits):
-        ws = w_row + s * stride_ws
-        m_s = tl.load(ws + HEAD_DIM, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-        l_s = tl.load(ws + HEAD_DIM + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-        acc_s = tl.load(ws[:, None] + d[None, :], mask=io_mask, other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-        scale = tl.exp2(m_s - m)
-        denom += scale * l_s
-        total += acc_s * scale[:, None]
+    for s0 in range(0, num_splits, _UNROLL):
+        for j in tl.static_range(_UNROLL):  # past num_splits: masked, adds zeros
+            ok = row_ok & (tl.full([BLOCK_H], s0 + j, tl.int32) < num_splits)
+            ws = w_row + (s0 + j) * stride_ws
+            m_s = tl.load(ws + HEAD_DIM, mask=ok, other=-1.0e30, cache_modifier=".cg")
+            l_s = tl.load(ws + HEAD_DIM + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(ws[:, None] + d[None, :], mask=io_mask & ok[:, None], other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            scale = tl.exp2(m_s - m)
+            denom += scale * l_s
+            total += acc_s * scale[:, None]
     o = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=io_mask)
 
