@@ -3,13 +3,14 @@
 Grid `(B, kv_heads, num_splits)`: each program takes the query heads of one KV head (padded
 to >= 16 rows for tl.dot) and one contiguous slice of the context, read through the block
 table. With num_splits == 1 it writes `out` directly. Otherwise it writes a partial (acc, max,
-sum) to a fp32 workspace, merged one of two ways: given `counters`, the splits that hold
-keys take a ticket from an int32 counter per (sequence, KV head) and the one that takes the
+sum) to a fp32 workspace, merged one of two ways: given `counters`, each split that holds
+keys takes a ticket from an int32 counter per (sequence, KV head) and the one that takes the
 last merges them in index order (the same result whichever program finishes last), writes
-`out` and resets the counter to 0 for the next launch; splits past the context stop at once,
-and a context in one split is written by its program directly (what the merge would write);
-without, `_reduce_kernel` (a second launch, one program per (sequence, KV head)) merges all
-num_splits partials, the empty ones included, in the same order and arithmetic (`_merge`).
+`out` and resets the counter to 0 for the next launch; without, `_reduce_kernel` (a second
+launch, one program per (sequence, KV head)) merges them, in the same order and arithmetic
+(`_merge`). Splits past the context stop at once (a graph launches MAX_SPLITS whatever the
+length), and a context in one split is written by its program directly (what merging it
+would write).
 
 Given this step's `key`/`value`, the program whose split holds the newest position also
 writes that token to the cache first (`reshape_and_cache` fused in). Launch grids depend only
@@ -88,6 +89,20 @@ def _write_newest(
                      MANT, MIN_ULP)  # fmt: skip
 
 
+@triton.jit
+def _partition(seq_len, window, num_splits, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A sequence's keys [lo, seq_len) in splits of `chunk` (whole BLOCK_N tiles, balanced),
+    and how many splits hold keys (`used`, at least 1: split 0 writes a 0-length context's
+    zeros). A graph launches MAX_SPLITS, so at a short context most splits are empty."""
+    lo = 0
+    if HAS_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
+        lo = tl.maximum(seq_len - window, 0)
+    span = seq_len - lo
+    chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    used = tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
+    return lo, chunk, used
+
+
 # Arguments that vary from step to step are not specialised on (Triton compiles a variant for
 # an int equal to 1 or divisible by 16): a new variant met while serving costs a compile.
 @triton.jit(do_not_specialize=["window", "stride_bt", "num_splits"])
@@ -155,19 +170,10 @@ def _split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = 0
-    if HAS_WINDOW:  # the query (position seq_len - 1) sees keys > seq_len - 1 - window
-        lo = tl.maximum(seq_len - window, 0)
-    # Balanced per-sequence split of [lo, seq_len), in whole BLOCK_N tiles; empty splits
-    # write l = 0.
-    span = seq_len - lo
-    chunk = ((span + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo, chunk, used = _partition(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    # Splits that hold keys (split 0 always): merged by ticket, the others stop here. A graph
-    # launches MAX_SPLITS, so at a short context most programs are empty.
-    used = tl.maximum((span + chunk - 1) // tl.maximum(chunk, 1), 1)
-    if TICKET and split >= used:
+    if split >= used:  # no keys: the merge skips this split
         return
     b64 = b.to(tl.int64)
 
@@ -247,7 +253,7 @@ def _split_kernel(
     if QUANT:
         acc = acc * v_scale
     o_ptrs = out_ptr + b64 * stride_ob + head[:, None] * stride_oh + d[None, :]
-    if (not SPLIT) or (TICKET and used == 1):  # what merging one split would write
+    if (not SPLIT) or used == 1:  # what merging one split would write
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
@@ -303,14 +309,20 @@ def _merge_if_last(w_row, o_ptrs, count_ptr, slot, num_splits, stride_ws, row_ok
         tl.atomic_xchg(count_ptr + slot, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["window", "num_splits"])
 def _reduce_kernel(
-    ws_ptr, out_ptr, stride_wb, stride_wh, stride_ws, stride_ob, stride_oh, num_splits,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr, PDL: tl.constexpr,
+    ws_ptr, out_ptr, seq_lens_ptr, window, stride_wb, stride_wh, stride_ws, stride_ob,
+    stride_oh, num_splits, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """The merge as a second launch, one program per (sequence, KV head)."""
+    """The merge as a second launch, one program per (sequence, KV head): of the splits that
+    hold keys (one: the split kernel wrote `out`)."""
+    _, _, used = _partition(tl.load(seq_lens_ptr + tl.program_id(0)), window, num_splits,
+                            HAS_WINDOW, BLOCK_N)  # fmt: skip
     pdl.enter(PDL)
+    if used == 1:
+        return
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     g = tl.arange(0, BLOCK_H)
@@ -320,7 +332,7 @@ def _reduce_kernel(
     io_mask = _dim_mask(row_ok, HEAD_DIM, HEAD_PAD)
     w_row = ws_ptr + b * stride_wb + head * stride_wh
     o_ptrs = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
-    _merge(w_row, o_ptrs, num_splits, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
+    _merge(w_row, o_ptrs, used, stride_ws, row_ok, io_mask, d, HEAD_DIM, HEAD_PAD,
            BLOCK_H)  # fmt: skip
 
 
@@ -458,8 +470,8 @@ def paged_attention_decode(
     )  # fmt: skip
     if num_splits > 1 and not ticket:
         _reduce_kernel[(batch, num_kv_heads)](
-            ws, out, *ws_strides, out.stride(0), out.stride(1), num_splits, GROUP=group,
-            BLOCK_H=block_h, HEAD_DIM=head_dim, HEAD_PAD=pad,
-            num_warps=4, **pdl.launch()
+            ws, out, seq_lens, sargs["window"], *ws_strides, out.stride(0), out.stride(1),
+            num_splits, GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, HEAD_PAD=pad,
+            HAS_WINDOW=sargs["HAS_WINDOW"], BLOCK_N=block_n, num_warps=4, **pdl.launch()
         )  # fmt: skip
     return out
