@@ -38,7 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
     # run first; the splits merge in a second launch, or in the split kernel by the last split
     # to finish (merge_in_split, a ticket). The same bits every way. On an H100 at batch 1
     # (bench/results/h200.md, 2026-12-05 10:22) the fused write with a second launch was
-    # fastest (5.76 ms a token against 5.81 unfused and 5.87 merging in the split kernel).
+    # fastest (5.76 ms a token against 5.81 unfused and 5.87 merging in the split kernel;
+    # 5.62 against 5.64 by ticket once empty splits were skipped, 2026-12-07 23:09).
     fuse_decode: ClassVar[bool] = True
     merge_in_split: ClassVar[bool] = False
 
