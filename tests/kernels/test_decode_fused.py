@@ -174,6 +174,34 @@ def test_counters_and_workspace_shared_by_launches(device):
         assert rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("ticket", [False, True])
+def test_splits_past_the_context_are_neither_written_nor_read(ticket, device):
+    """32 splits (a graph's) over contexts of one to four tiles: the splits past a context
+    stop, a one-split context is written by its program, and the merge (second launch or
+    ticket) reads only the splits that hold keys: a NaN workspace stays NaN past them and
+    the output is right."""
+    from paged.kernels.decode import MAX_SPLITS
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 8
+    seq_lens = [5, 16, 17, 64, 0]  # BLOCK_N 16 and 32 splits: 1, 1, 2, 4 and 1 split(s)
+    kv, table = make_cache(seq_lens, kv_heads, head_dim, block_size, torch.float32, gen,
+                           device)  # fmt: skip
+    q, k, v = qkv(len(seq_lens), heads, kv_heads, head_dim, torch.float32, gen, device)
+    slots = newest_slots(table, seq_lens, block_size)
+    want = torch_write(kv, k, v, slots)
+    ws = decode_workspace(len(seq_lens), heads, head_dim, MAX_SPLITS, device).fill_(float("nan"))
+    counters = decode_counters(len(seq_lens), kv_heads, device) if ticket else None
+    out = run_fused(q, k, v, kv, table, seq_lens, slots, MAX_SPLITS, counters, ws)
+    ref = reference(q, want, [1] * len(seq_lens), seq_lens, table, 0.3)
+    assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.float32]
+    assert not out[seq_lens.index(0)].any()
+    for b, n in enumerate(seq_lens):
+        used = max(-(-n // BLOCK_N), 1)
+        assert ws[b, :, used:].isnan().all()  # never written
+        assert used == 1 or not ws[b, :, :used].isnan().any()
+
+
 def test_backend_decode_step_writes_the_cache(device, monkeypatch):
     """TritonAttentionBackend.forward on a decode-only step: with fuse_decode the decode
     kernel writes K/V (no reshape_and_cache), without it the cache write runs first; its
