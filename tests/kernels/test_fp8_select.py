@@ -238,18 +238,22 @@ def test_normed_and_gated_shapes_are_timed_with_their_op(tiny_models, monkeypatc
     monkeypatch.setattr(fp8_select, "graph_time_or_inf", split_time)
     compiled = []  # what start-up compiles ahead: a shape's first module under each config
 
-    def compile_configs(shapes, configs, run, device):
+    def compile_configs(shapes, configs, run, device, also=()):
         for shape, mods in shapes.items():
             for config in configs(*shape):
                 run(mods[0], config)
-        compiled.extend((len(split), len(ops_first)))
+        for call in also:
+            call()
+        compiled.extend((len(split), len(ops_first), len(unsplit), len(norms)))
 
     monkeypatch.setattr(fp8_select, "compile_configs", compile_configs)
     with ops.using(counting):
         fp8_select.use_measured_fp8_gemv(model)
     variant = lambda entries: {(tuple(w.shape), *rest) for w, *rest in entries}  # noqa: E731
     assert compiled and variant(split[:compiled[0]]) == variant(split[compiled[0]:])
-    del split[:compiled[0]], ops_first[:compiled[1]]
+    shapes = lambda entries: {tuple(w.shape) for w, _ in entries}  # noqa: E731
+    assert compiled[2] == 4 and shapes(unsplit[:4]) == shapes(unsplit[4:]) == set(kinds)
+    del split[:compiled[0]], ops_first[:compiled[1]], unsplit[:4], norms[:compiled[3]]
     for shape, config in firsts.items():
         block_n, block_k, warps, stages = dot_config(*shape, torch.device("cpu"))
         assert config == (block_n, block_k, 1, warps, stages)

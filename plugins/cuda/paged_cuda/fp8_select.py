@@ -142,10 +142,14 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
 
     fastest: dict[tuple, float] = {}  # (shape, rows or "unsplit"): the best time, for the log
 
-    def time_unsplit(mods: list[nn.Module]) -> float:
+    def unsplit_calls(mods: list[nn.Module]) -> list[Callable[[], object]]:
+        """The unsplit GEMV over mods, each after the op's own kernel."""
         before = inputs.unfused(mods[0])
-        t = graph_time([lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
-                        for m in mods])  # fmt: skip
+        return [lambda m=m: fp8_gemv_dot(before(), m.weight, m.weight_scale, m.bias)
+                for m in mods]  # fmt: skip
+
+    def time_unsplit(mods: list[nn.Module]) -> float:
+        t = graph_time(unsplit_calls(mods))
         fastest[(tuple(mods[0].weight.shape), "unsplit")] = t
         return t
 
@@ -179,7 +183,8 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
         fastest[key] = min(fastest.get(key, math.inf), t)
         return t
 
-    compile_configs(shapes, configs, lambda m, choice: split_call(m, choice)(m), device)
+    compile_configs(shapes, configs, lambda m, choice: split_call(m, choice)(m), device,
+                    [unsplit_calls(mods[:1])[0] for mods in shapes.values()])  # fmt: skip
     with torch.inference_mode():
         chosen = choose(shapes, configs, time_unsplit, time_split)
     for (n, k), ((config, rows), best, base) in chosen.items():

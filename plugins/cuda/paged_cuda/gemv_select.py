@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -106,10 +106,11 @@ def compile_configs(
     configs: Callable[..., list],
     run: Callable[[nn.Module, tuple], object],
     device: torch.device,
+    also: Sequence[Callable[[], object]] = (),
 ) -> None:
     """Compile every shape's configs ahead, side by side on threads (`compile_ahead`): `run`
     (a shape's first module, a config) is what the timing will launch, and Triton compiles
-    the kernels it launches without running them."""
+    the kernels it launches without running them; `also`, other calls the timing makes."""
 
     @contextlib.contextmanager
     def within():
@@ -118,6 +119,7 @@ def compile_configs(
 
     calls = [lambda m=mods[0], c=c: run(m, c) for shape, mods in shapes.items()
              for c in configs(*shape)]  # fmt: skip
+    calls += also
     if not calls:
         return
     workers = min(len(calls), default_workers())
