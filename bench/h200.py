@@ -58,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--lat-input", type=int, default=128)
     a("--lat-output", type=int, default=128)
     a("--lat-iters", type=int, default=5, help="paged's timed iterations")
+    a("--lat-max-model-len", type=int, default=0,
+      help="latency runs' --max-model-len (0: the benchmark's own, input + output; a server's "
+           "length sizes its decode graphs' attention splits)")  # fmt: skip
     a("--lat-hf-iters", type=int, default=2, help="HF's timed iterations (each: TTFT + full)")
     a("--lat-hf-modes", default="eager,static")
     a("--tp-prompts", type=int, default=1000)
@@ -220,6 +223,8 @@ def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
                 "--input-len", args.lat_input, "--output-len", args.lat_output,
                 "--no-enable-prefix-caching", "--num-iters-warmup", 1,
                 "--num-iters", args.lat_iters, "--save-json", path, "--disable-tqdm")  # fmt: skip
+    if args.lat_max_model_len:
+        cmd += ["--max-model-len", str(args.lat_max_model_len)]
     if variant == "eager":
         cmd.append("--enforce-eager")
     elif variant == "sync":

@@ -39,3 +39,27 @@ def test_the_fp8_phase_keeps_its_start_up_lines_and_judges_the_floor(tmp_path, m
     assert "| paged --quantization fp8, mean | 5.00 | 2.55 |" in md
     assert "fp8 floor (issue 15): decode <= 2.6 ms/token: **pass**" in md
     assert "start-up GEMV timing took 30.2 s" in md
+
+
+def test_latency_runs_take_a_servers_model_length_when_asked(tmp_path, monkeypatch):
+    """--lat-max-model-len reaches every latency command (a server's length sizes its decode
+    graphs' attention splits); without it the benchmark keeps its own length."""
+    h200 = load_bench("h200")
+    (tmp_path / "logs").mkdir()
+    ran = []
+
+    def fake_run(name, cmd, timeout, logs, echo=30):
+        ran.append(cmd)
+        (logs / f"{name}.log").write_text("")
+        return 0
+
+    monkeypatch.setattr(h200, "run", fake_run)
+    for extra in ([], ["--lat-max-model-len", "32768"]):
+        args = h200.parse_args(["--phases", "latency", "--no-append", "--out", str(tmp_path),
+                                "--lat-hf-modes", "", *extra])  # fmt: skip
+        for phase in ("latency", "latency-fp8"):
+            h200.RUNNERS[phase](args, tmp_path, 100)
+    (plain, plain_fp8, server, server_fp8) = ran
+    assert "--max-model-len" not in plain + plain_fp8
+    for cmd in (server, server_fp8):
+        assert cmd[cmd.index("--max-model-len") + 1] == "32768"
