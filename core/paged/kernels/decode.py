@@ -173,7 +173,7 @@ def _split_kernel(
     lo, chunk, used = _partition(seq_len, window, num_splits, HAS_WINDOW, BLOCK_N)
     start = lo + split * chunk
     end = tl.minimum(start + chunk, seq_len)
-    if split >= used:  # no keys: the merge skips this split
+    if split >= used:  # no keys: the merge skips this split (split 0 always waits: pdl.py)
         return
     b64 = b.to(tl.int64)
 
@@ -320,7 +320,7 @@ def _reduce_kernel(
     hold keys (one: the split kernel wrote `out`)."""
     _, _, used = _partition(tl.load(seq_lens_ptr + tl.program_id(0)), window, num_splits,
                             HAS_WINDOW, BLOCK_N)  # fmt: skip
-    pdl.enter(PDL)
+    pdl.enter(PDL)  # even with nothing to merge: o_proj after it must see the split kernel done
     if used == 1:
         return
     b = tl.program_id(0).to(tl.int64)

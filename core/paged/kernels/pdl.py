@@ -3,8 +3,10 @@
 Launched with PDL, a kernel's programs may start while the kernel before it in the stream is
 still finishing, once every program of that one has called `griddepcontrol.launch_dependents`.
 Until its `griddepcontrol.wait` returns, a program may read only what the kernel just before
-it does not write (a weight; and, since every kernel here signals only after its own wait,
-what kernels two or more launches back wrote: those completed before this one could start);
+it does not write (a weight; and what kernels two or more launches back wrote: in every
+kernel here at least one program signals only after its own wait, so those completed before
+this one could start; a program that exits early without waiting must leave another that
+waits);
 after it, everything earlier in the stream is complete and visible. This hides the launch gap
 and the tail of each kernel in a chain of small decode kernels.
 
