@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -254,8 +255,15 @@ def test_cache_falls_back(tmp_path, monkeypatch):
     (entry / "v.txt").unlink()  # broken entry: rebuilt, not fatal
     assert loader._cached("x", str(src), _load, lambda: _Saved("c")).value == "c"
     assert loader._cached("x", str(src), _load, lambda: _Saved("d")).value == "c"
-    os.utime(src, ns=(1, 1))  # a changed file gets a new key
+    os.utime(src, ns=(1, 1))  # touched, same content: same entry
+    assert loader._cached("x", str(src), _load, lambda: _Saved("e")).value == "c"
+    copy = tmp_path / "venv2" / "m.gguf"  # the same file installed elsewhere: same entry
+    copy.parent.mkdir()
+    shutil.copy(src, copy)
+    assert loader._cached("x", str(copy), _load, lambda: _Saved("e")).value == "c"
+    src.write_bytes(b"GGUF2")  # a changed file gets a new key
     assert loader._cached("x", str(src), _load, lambda: _Saved("e")).value == "e"
+    assert len(list((tmp_path / "cache" / "x").iterdir())) == 2
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("PAGED_CACHE_DIR", str(blocker))  # cache unwritable: still works

@@ -4,8 +4,8 @@ A model is a local directory (config.json + *.safetensors), a .gguf file or a Hu
 id (hub.py: the cache first, a download when online). GGUF metadata is slow to parse, so the
 tokenizer, config, dequantized weights and stored blocks (for platforms that compute on them)
 read from a GGUF file are cached under $PAGED_CACHE_DIR (default ~/.cache/paged) in
-tokenizers/<key>, configs/<key>, weights/<key> and blocks3/<key>, keyed by the file's name, size
-and mtime.
+tokenizers/<key>, configs/<key>, weights/<key> and blocks3/<key>, keyed by the file's content
+(its sha256, file_digest.py), so every copy or install of one file shares one entry.
 """
 
 from __future__ import annotations
@@ -394,12 +394,14 @@ def cache_root() -> Path:
 
 
 def _cache_key(path: str) -> str:
+    """<file name>-<hash of its content and of what converts it>: the name only to read by."""
     import transformers
 
-    st = os.stat(path)
-    name = os.path.basename(path)
-    raw = f"{_CACHE_VERSION}|{name}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
-    stem = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80]
+    from paged.model.file_digest import file_digest
+
+    digest = file_digest(path, cache_root() / "digests")
+    raw = f"{_CACHE_VERSION}|{digest}|{transformers.__version__}"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(path))[:80]
     return f"{stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
 
 
