@@ -158,6 +158,10 @@ def quantized_linears() -> None:
         gemv_split_k(t(1, 2 * k), t(n, k), None, config, t(n, dtype=torch.int32),
                      silu_mul=True)  # fmt: skip
     w8 = t(n, k, dtype=torch.float8_e4m3fn)
+    for norm, silu in ((None, False), ((t(1, k), t(k), 1e-6), False), (None, True)):
+        # weight-only fp8 one-row linears (paged_cuda.fp8_weight_only)
+        gemv_split_k(t(1, 2 * k if silu else k), w8, None, (4, 1024, 2, 4),
+                     t(n, dtype=torch.int32), norm, silu, t(n, 1, dtype=torch.float32))  # fmt: skip
     from paged.kernels.fp8_gemv import fp8_gemv_split
 
     for rows, config in ((1, (64, 256, 1, 4, 4)), (1, (64, 128, 4, 4, 2)),

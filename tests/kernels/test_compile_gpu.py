@@ -50,6 +50,10 @@ def test_every_kernel_compiles_for_sm90():
              and "('PDL', True)" in line}  # fmt: skip
     # SiLU-and-mul folded into the down GEMV (bf16, fp8)
     assert gated == {"_gemv_split_k_kernel", "_fp8_gemv_split_kernel"}
+    weight_only = [line for line in lines if line.startswith("compiled _gemv_split_k_kernel ")
+                   and "('W_SCALED', True)" in line]  # fmt: skip
+    # fp8 weights converted inside the one-row GEMV: plain, norm and SiLU-and-mul folded in
+    assert len(weight_only) == 3
     both = {line.split()[1] for line in lines if "('NORM', True)" in line
             and "('ROUTE', True)" in line}  # fmt: skip
     assert both == {"_pair_gemv"}  # MoE decode: the gate/up GEMV routes and norms its input

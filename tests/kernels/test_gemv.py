@@ -163,3 +163,40 @@ def test_split_k_gemv_with_silu_and_mul_before_it(device, dtype, config, m, n, k
     want = torch.nn.functional.linear(ops.silu_and_mul(gate_up.float()), w.float(),
                                       b.float() if bias else None)  # fmt: skip
     _close(got.cpu(), want.to(dtype), 2e-5 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("op", ["none", "norm", "silu"])
+@pytest.mark.parametrize("config", [(4, 32, 1, 2), (8, 64, 3, 4)])
+@pytest.mark.parametrize("m, n, k, bias", [(1, 48, 256, False), (2, 37, 200, True)])
+def test_split_k_gemv_with_fp8_weights_only(device, op, config, m, n, k, bias):
+    """Weight-only fp8 (`scale`): the sums of the fp8 weight's values times the unquantized
+    input, scaled per row, then the bias: the same bits as the GEMV on the weight's float32
+    values scaled after it (float32), near the dequantized linear; with the norm or SiLU-and-mul
+    folded in as for 16-bit weights."""
+    from paged.kernels.gemv import gemv_split_k, split_k_counters
+    from paged.model import ops
+
+    g = torch.Generator().manual_seed(n + k + config[2])
+    q, s = ref.quantize_fp8_rows(torch.randn(n, k, generator=g) * 0.1)
+    x = torch.randn(m, 2 * k if op == "silu" else k, generator=g)
+    res, gain = torch.randn(m, k, generator=g), torch.rand(k, generator=g) + 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    counters = torch.zeros(split_k_counters(n, m, config), dtype=torch.int32, device=device)
+    norm = (res.to(device), gain.to(device), 1e-5) if op == "norm" else None
+    dx, db = x.to(device), b.to(device) if bias else None
+
+    def run(w, scale):
+        out = gemv_split_k(dx, w.to(device), None if scale is None else db, config, counters,
+                           norm, op == "silu", scale)  # fmt: skip
+        return (out[0] if norm else out).cpu()
+
+    got = run(q, s.to(device))
+    assert got.dtype == torch.float32 and int(counters.abs().sum()) == 0
+    unscaled = run(q.float(), None)
+    assert torch.equal(got, unscaled * s.view(1, n) + (b if bias else 0))
+    if op == "norm":
+        inp = ops.fused_add_rms_norm(x, res, gain, 1e-5)[0]
+    else:
+        inp = ops.silu_and_mul(x) if op == "silu" else x
+    want = torch.nn.functional.linear(inp, q.float() * s, b)
+    _close(got, want, 2e-5)

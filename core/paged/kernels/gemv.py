@@ -133,9 +133,9 @@ def gemv(
 @triton.jit
 def _gemv_split_k_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, N, K, k_per_split, stride_xm, stride_wn,
-    stride_om, res_ptr, g_ptr, res_out_ptr, ss_ptr, eps, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    stride_om, res_ptr, g_ptr, res_out_ptr, ss_ptr, scale_ptr, eps, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, SILU_MUL: tl.constexpr, W_SCALED: tl.constexpr, SPLIT: tl.constexpr,
+    SPLIT_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row's BLOCK_N outputs over one of SPLIT slices of K. With SPLIT > 1 each program
     writes its float32 partial sums, and the last program of a block (counted atomically) adds
@@ -152,6 +152,9 @@ def _gemv_split_k_kernel(
     SILU_MUL: x is a gated MLP's gate/up output [M, 2K] and the input is silu(gate) * up,
     rounded to x's dtype at each step as silu_and_mul rounds (the down projection and the
     activation before it in one launch).
+
+    W_SCALED: the weight is fp8 with a float32 scale per output row at scale_ptr, applied to
+    the finished sums (weight-only fp8: the input is not quantized).
 
     The first weight tile is loaded before anything else: under PDL (`pdl`) while the kernel
     before this one is still finishing (a slice of K is often a single tile)."""
@@ -179,7 +182,8 @@ def _gemv_split_k_kernel(
     if SPLIT == 1:
         if NORM:
             acc = acc * tl.rsqrt(tl.sum(sq, 0) / K + eps)
-        _store_row(acc, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
+        _store_row(acc, bias_ptr, scale_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS,
+                   W_SCALED)  # fmt: skip
     else:
         part = ws_ptr + row * SPLIT * N + cols
         tl.store(part + pid_s * N, acc, mask=col_ok)
@@ -197,7 +201,8 @@ def _gemv_split_k_kernel(
                              cache_modifier=".cg")  # fmt: skip
                 total = total * tl.rsqrt(tl.sum(ss, 0) / K + eps)
             tl.atomic_xchg(count_ptr + slot, 0)
-            _store_row(total, bias_ptr, out_ptr + row * stride_om, cols, col_ok, HAS_BIAS)
+            _store_row(total, bias_ptr, scale_ptr, out_ptr + row * stride_om, cols, col_ok,
+                       HAS_BIAS, W_SCALED)  # fmt: skip
 
 
 @triton.jit
@@ -224,7 +229,10 @@ def _split_k_step(x_row, res_ptr, g_ptr, res_out_ptr, row, K, ks, w, acc2, sq, f
 
 
 @triton.jit
-def _store_row(acc, bias_ptr, out_row, cols, col_ok, HAS_BIAS: tl.constexpr):
+def _store_row(acc, bias_ptr, scale_ptr, out_row, cols, col_ok, HAS_BIAS: tl.constexpr,
+               W_SCALED: tl.constexpr):  # fmt: skip
+    if W_SCALED:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(out_row + cols, acc.to(out_row.dtype.element_ty), mask=col_ok)
@@ -243,15 +251,19 @@ def gemv_split_k(
     counters: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     silu_mul: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] @ weight [N, K]^T (+ bias) for 16/32-bit weights, K split over `config`'s
-    (BLOCK_N, BLOCK_K, SPLIT, warps). `counters`: int32 zeros, at least split_k_counters();
-    every launch leaves them zero again (so they can be shared, and captured in a graph).
+    """x [M, K] @ weight [N, K]^T (+ bias) for 16/32-bit (or, with `scale`, fp8) weights, K
+    split over `config`'s (BLOCK_N, BLOCK_K, SPLIT, warps). `counters`: int32 zeros, at least
+    split_k_counters(); every launch leaves them zero again (so they can be shared, and
+    captured in a graph).
 
     `norm` (residual [M, K], g [K], eps): the input is rms_norm(x + residual) * g instead of x
     (fused_add_rms_norm's arithmetic up to the order of the sums); returns (out, x + residual),
     the new residual in a new tensor (the inputs are not changed). `silu_mul`: x is [M, 2K],
-    a gated MLP's gate/up, and the input is silu_and_mul(x) (not with `norm`)."""
+    a gated MLP's gate/up, and the input is silu_and_mul(x) (not with `norm`). `scale` [N, 1]
+    float32: the weight is fp8 with these per-row scales, x stays in its dtype (weight-only
+    fp8 arithmetic; the fp8 linear proper quantizes x per token, fp8_gemv)."""
     m, k = x.shape
     n = weight.shape[0]
     if silu_mul:
@@ -267,6 +279,8 @@ def gemv_split_k(
     assert split == 1 or counters.numel() >= split_k_counters(n, m, config)
     res, g, eps = norm if norm is not None else (out, out, 0.0)
     ss = out
+    if scale is not None:
+        assert scale.shape == (n, 1) and scale.dtype == torch.float32 and scale.is_contiguous()
     if norm is not None:
         assert res.shape == x.shape and res.is_contiguous() and x.stride(1) == 1
         if split > 1:  # each slice's sum of squares, per output block
@@ -274,8 +288,9 @@ def gemv_split_k(
                              device=x.device)  # fmt: skip
     launcher(_gemv_split_k_kernel, (triton.cdiv(n, block_n), split, m))(
         x, weight, bias if bias is not None else out, out, ws, counters, n, k, per, x.stride(0),
-        weight.stride(0), out.stride(0), res, g, res_out, ss, eps, HAS_BIAS=bias is not None,
-        NORM=norm is not None, SILU_MUL=silu_mul, SPLIT=split,
+        weight.stride(0), out.stride(0), res, g, res_out, ss,
+        scale if scale is not None else out, eps, HAS_BIAS=bias is not None,
+        NORM=norm is not None, SILU_MUL=silu_mul, W_SCALED=scale is not None, SPLIT=split,
         SPLIT_PAD=triton.next_power_of_2(split), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, **pdl.launch(),
     )  # fmt: skip
@@ -377,12 +392,18 @@ def fp8_gemv_dot(
 
 class OneRowGemv:
     """A Linear's forward on the split-K GEMV for one-row inputs (a measured choice: the CUDA
-    plugin's gemv_select installs it per weight shape), F.linear otherwise. With `norm` it
-    also runs the residual add and RMSNorm before the projection (gemv_split_k's `norm`); with
-    `silu_mul`, SiLU-and-mul of a gate/up output before it."""
+    plugin's gemv_select installs it per weight shape), the module's forward before it
+    otherwise. With `norm` it also runs the residual add and RMSNorm before the projection
+    (gemv_split_k's `norm`); with `silu_mul`, SiLU-and-mul of a gate/up output before it.
+    `scale`: the module's weight is fp8 with these per-row scales, run weight-only (the input
+    not quantized: paged_cuda.fp8_weight_only)."""
 
-    def __init__(self, mod: torch.nn.Linear, config: tuple[int, int, int, int], counters) -> None:
+    def __init__(self, mod: torch.nn.Module, config: tuple[int, int, int, int], counters,
+                 scale: torch.Tensor | None = None) -> None:  # fmt: skip
         self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
+        self.scale = scale
+        # what runs the other inputs: an earlier measured choice on the module, or its class's
+        self.fallback = vars(mod).get("forward") or functools.partial(type(mod).forward, mod)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -391,6 +412,6 @@ class OneRowGemv:
     def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
         if self.takes(x):
             return gemv_split_k(x, self.weight, self.bias, self.config, self.counters, norm,
-                                silu_mul)  # fmt: skip
+                                silu_mul, self.scale)  # fmt: skip
         assert norm is None and not silu_mul, "the fused input op needs a one-row input"
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return self.fallback(x)
