@@ -30,10 +30,11 @@ MARGIN = 0.97  # a GEMV is taken only when it takes at most this fraction of cuB
 REPLAYS = 5
 
 
-def candidates(n: int, k: int) -> list[tuple[int, int, int, int]]:
+def candidates(n: int, k: int, itemsize: int = 2) -> list[tuple[int, int, int, int]]:
     """(BLOCK_N, BLOCK_K, SPLIT, warps) to try for weight [n, k]: enough programs to fill the
     GPU's SMs about one to thirty times, each slice of K at least one BLOCK_K step, each
-    program's tile at most 8192 float32 sums (64 registers a lane at 4 warps)."""
+    program's tile at most 8192 float32 sums (64 registers a lane at 4 warps). 1-byte (fp8)
+    weights take twice the BLOCK_K where that fits: a step's load as many bytes as 16-bit's."""
     out = []
     for block_n in (4, 8, 16, 32):
         blocks = triton.cdiv(n, block_n)
@@ -41,6 +42,8 @@ def candidates(n: int, k: int) -> list[tuple[int, int, int, int]]:
             if not 128 <= blocks * split <= 4096 or k // split < 256:
                 continue
             block_k = 512 if k // split >= 512 and block_n <= 16 else 256
+            if itemsize == 1 and k // split >= 2 * block_k and block_n * block_k <= 4096:
+                block_k *= 2
             out.append((block_n, block_k, split, 4))
     return out
 

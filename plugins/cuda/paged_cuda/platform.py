@@ -39,6 +39,14 @@ class CudaPlatform(AcceleratorPlatform):
             True,
         ),
         PlatformOption(
+            "cuda_fp8_weight_only_decode",
+            "one-row fp8 linears (batch-1 decode under --quantization fp8) weight-only: the fp8 "
+            "weight converted inside paged's split-K GEMV, the input row kept in the model dtype "
+            "(closer to the 16-bit model; results differ from the default); off: the row "
+            "quantized to e4m3 per token, as the fp8 GEMMs of prefill do",
+            False,
+        ),
+        PlatformOption(
             "cuda_pdl",
             "paged's Triton kernels launched with programmatic dependent launch on GPUs of "
             "compute capability 9.0 and later (each kernel's launch and first weight loads "
@@ -74,15 +82,21 @@ class CudaPlatform(AcceleratorPlatform):
         from paged.kernels import pdl
 
         pdl.enable(self.option("cuda_pdl") and torch.cuda.get_device_capability()[0] >= 9)
-        if self.option("cuda_tuned_gemv"):
+        tuned = self.option("cuda_tuned_gemv")
+        t0 = time.perf_counter()
+        if tuned:
             from paged_cuda.fp8_select import use_measured_fp8_gemv
             from paged_cuda.gemv_select import use_measured_gemv
             from paged_cuda.int4_select import use_measured_int4_gemm
 
-            t0 = time.perf_counter()
             use_measured_gemv(model)
             use_measured_fp8_gemv(model)
             use_measured_int4_gemm(model)
+        if self.option("cuda_fp8_weight_only_decode"):
+            from paged_cuda.fp8_weight_only import use_weight_only_fp8_gemv
+
+            use_weight_only_fp8_gemv(model, timed=tuned)
+        if tuned:
             self.empty_cache()  # the timing graphs' memory
             # where the Triton cache is cold, the candidate configs compile first (on threads)
             log.info("start-up GEMV timing took %.1f s", time.perf_counter() - t0)

@@ -1,0 +1,105 @@
+"""`--cuda-fp8-weight-only-decode` (paged_cuda.fp8_weight_only): the configs it tries, and the
+engine with it on the interpreter: one-row fp8 linears on the split-K GEMV with the weight's
+scales and the input unquantized, greedy output equal to the dequantized linears'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+fp8_weight_only = pytest.importorskip("paged_cuda.fp8_weight_only")
+gemv_select = pytest.importorskip("paged_cuda.gemv_select")
+
+H200 = (132, 232448)  # SMs, shared memory a block (bytes)
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_fp8_configs_read_as_many_bytes_a_step_where_they_fit(n, k):
+    wide, narrow = gemv_select.candidates(n, k, itemsize=1), gemv_select.candidates(n, k)
+    assert [c[:1] + c[2:] for c in wide] == [c[:1] + c[2:] for c in narrow]
+    for (block_n, block_k, split, _), (_, bf16_k, _, _) in zip(wide, narrow):
+        assert block_n * block_k <= 8192 and k // split >= block_k
+        assert block_k == (2 * bf16_k if k // split >= 2 * bf16_k and block_n * bf16_k <= 4096
+                           else bf16_k)  # fmt: skip
+    assert any(c != d for c, d in zip(wide, narrow))
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (512, 4096), (48, 64)])
+def test_the_untimed_config_splits_k_only_to_fill_the_gpu(n, k):
+    block_n, block_k, split, warps = fp8_weight_only.default_config(n, k, H200[0])
+    assert (block_n, warps) == (4, 4) and block_k == min(1024, triton.next_power_of_2(k))
+    assert k // split >= block_k
+    want = {(6144, 4096): 1, (4096, 14336): 1, (512, 4096): 4, (48, 64): 1}[(n, k)]
+    assert split == want  # 128 blocks of 4 rows: 4 x 128 >= 2 x 132 programs
+
+
+@pytest.mark.slow  # interpreted Triton through the engine, twice
+def test_weight_only_fp8_decode_in_the_engine(tiny_models, monkeypatch, engines_on,
+                                              interpreter_only):  # fmt: skip
+    """With the option's installer run (untimed; the GPU faked), every decode step's fp8
+    linears run the split-K GEMV with the weight's scales, the residual add and RMSNorm folded
+    into QKV and gate/up (but the first layer's) and SiLU-and-mul into down; prefill keeps the
+    fp8 GEMM. Greedy output equals an engine whose one-row fp8 linears are the dequantized
+    weights' float32 F.linear."""
+    from paged import LLM, SamplingParams
+    from paged.kernels import gemv
+    from paged.quantization.base import QuantLinear
+    from paged_cpu.platform import CpuPlatform
+
+    weight_only = []
+
+    def dequantized(mod):
+        w = mod.weight.float() * mod.weight_scale
+
+        def forward(x):
+            if x.dim() == 2 and x.shape[0] == 1:
+                return torch.nn.functional.linear(x, w, mod.bias)
+            return type(mod).forward(mod, x)
+
+        return forward
+
+    class Fp8OnCpu(CpuPlatform):
+        name = "fp8-weight-only-on-cpu"
+
+        def ops(self):
+            from paged.kernels.ops import triton_fused_ops
+
+            table = triton_fused_ops()
+            names = ("fp8_linear", "fused_add_rms_norm", "add_rms_norm_linear", "silu_and_mul",
+                     "silu_and_mul_linear")  # fmt: skip
+            return {name: table[name] for name in names}
+
+        def prepare_model(self, model, config, source=None) -> None:
+            super().prepare_model(model, config, source)
+            if not weight_only[0]:
+                for mod in model.modules():
+                    if isinstance(mod, QuantLinear):
+                        mod.forward = dequantized(mod)
+                return
+            with monkeypatch.context() as mp:
+                mp.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+                mp.setattr(fp8_weight_only, "device_limits", lambda device: H200)
+                mp.setattr(torch.cuda, "synchronize", lambda: None)
+                fp8_weight_only.use_weight_only_fp8_gemv(model, timed=False)
+
+    engines_on(Fp8OnCpu())
+    calls = []
+    real = gemv.gemv_split_k
+    monkeypatch.setattr(gemv, "gemv_split_k", lambda *a: calls.append(
+        (len(a[0]), a[5] is not None, a[6], a[7] is not None)) or real(*a))  # fmt: skip
+    prompt = list(range(3, 40, 3))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = []
+    for on in (False, True):
+        weight_only[:] = [on]
+        llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB",
+                  quantization="fp8")  # fmt: skip
+        got.append(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+        layers = len(llm.engine.runner.model.layers)
+        del llm
+    assert got[0] == got[1]
+    assert len(calls) == 3 * 4 * layers  # 3 decode steps, 4 linears a layer
+    assert all(rows == 1 and scaled for rows, _, _, scaled in calls)
+    assert sum(norm for _, norm, _, _ in calls) == 3 * (2 * layers - 1)
+    assert sum(silu for _, _, silu, _ in calls) == 3 * layers
