@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-cuda-pdl", action="store_true", help="plain launches (--cuda-pdl off)")
+    ap.add_argument("--cuda-fp8-weight-only-decode", action="store_true",
+                    help="one-row fp8 linears weight-only (the platform option of that name)")
     ap.add_argument(
         "--sync-debug",
         action="store_true",
@@ -57,7 +59,9 @@ def main() -> None:
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
               max_model_len=args.prompt_len + args.tokens + 16,
               max_num_seqs=max(args.batch, 1),
-              platform_options={"cuda_pdl": False} if args.no_cuda_pdl else {})  # fmt: skip
+              platform_options={**({"cuda_pdl": False} if args.no_cuda_pdl else {}),
+                                **({"cuda_fp8_weight_only_decode": True}
+                                   if args.cuda_fp8_weight_only_decode else {})})  # fmt: skip
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(args.prompt_len)]}
                for _ in range(args.batch)]  # fmt: skip

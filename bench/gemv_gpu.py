@@ -1,7 +1,8 @@
 """Decode GEMVs on one GPU (batch-1 decode reads every weight once a token): paged's Triton
 GEMV (paged.kernels.gemv) against cuBLAS, per Llama-3.1-8B projection, M = 1.
 
-    python bench/gemv_gpu.py [--sweep bf16,fp8,fp8dot,fp8split] [--rows 1] [--pdl] [--shapes o,down]
+    python bench/gemv_gpu.py [--sweep bf16,fp8,fp8dot,fp8split,fp8wo] [--rows 1] [--pdl]
+                             [--shapes o,down]
 
 Per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336, head
 128256x4096): bf16 F.linear (cuBLAS), fp8 torch._scaled_mm with paged's per-token quantization
@@ -11,7 +12,9 @@ plain bf16 GEMV. Times are medians inside a CUDA graph that cycles through enoug
 the weight to spill L2 (every call reads HBM). `--sweep` times every config of the GEMVs
 named and prints the best per shape beside the default's; `fp8split`, the tensor-core GEMV
 split over K (paged.kernels.fp8_gemv), also the best of the configs that the cuda plugin's
-start-up timing tries (paged_cuda.fp8_select). GB/s: weight bytes over time.
+start-up timing tries (paged_cuda.fp8_select); `fp8wo`, weight-only fp8 (the fp8 weight
+converted inside the 16-bit split-K GEMV, the row not quantized: paged_cuda.fp8_weight_only),
+also the best of its start-up candidates. GB/s: weight bytes over time.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ DOT_CONFIGS = [*itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3
 # the tensor-core fp8 GEMV split over K: (BLOCK_N, BLOCK_K, SPLIT, warps, stages)
 SPLIT_CONFIGS = list(itertools.product((16, 32, 64, 128), (256, 512), (1, 2, 3, 4, 6, 8), (4,),
                                        (2, 3, 4)))  # fmt: skip
+# the split-K GEMV on fp8 weights: (BLOCK_N, BLOCK_K, SPLIT, warps), at most 128 sums a thread
+WO_CONFIGS = [c for c in itertools.product((2, 4, 8, 16, 32), (512, 1024, 2048), (1, 2, 4, 8),
+                                           (4, 8)) if c[0] * c[1] <= 4096 * c[3]]  # fmt: skip
 
 
 def timed(fn, copies: int) -> float:
@@ -51,8 +57,10 @@ def timed(fn, copies: int) -> float:
 def bench_shape(name: str, n: int, k: int, m: int, sweep: list[str], gen) -> None:
     from paged.kernels.fp8_gemm import quantize_fp8_rows
     from paged.kernels.fp8_gemv import fp8_gemv_split
-    from paged.kernels.gemv import dot_config, fp8_gemv_dot, gemv, gemv_config
+    from paged.kernels.gemv import dot_config, fp8_gemv_dot, gemv, gemv_config, gemv_split_k
     from paged_cuda.fp8_select import candidates
+    from paged_cuda.fp8_weight_only import default_config
+    from paged_cuda.gemv_select import candidates as wo_candidates
 
     dev, bf16 = "cuda", torch.bfloat16
     copies = max(1, L2_SPILL // (n * k))
@@ -74,16 +82,23 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: list[str], gen) -> Non
     def fp8dot(cfg=None):  # None: the kernel's own choice (gemv.dot_config)
         return lambda: [fp8_gemv_dot(x, a, s, config=cfg) for a, s in q]
 
-    counters = torch.zeros(n, dtype=torch.int32, device=dev)
+    counters = torch.zeros(n * m, dtype=torch.int32, device=dev)
 
     def fp8split(cfg):
         return lambda: [fp8_gemv_split(x, a, s, None, cfg, counters) for a, s in q]
+
+    def fp8wo(cfg):
+        return lambda: [gemv_split_k(x, a, None, cfg, counters, None, False, s) for a, s in q]
+
+    props = triton.runtime.driver.active.utils.get_device_properties(x.device.index or 0)
+    wo_default = default_config(n, k, props["multiprocessor_count"])
 
     rows = {
         "bf16 cuBLAS": (2, lambda: [torch.nn.functional.linear(x, t) for t in w]),
         "bf16 paged GEMV": (2, plain()),
         "fp8 paged GEMV (quant inside)": (1, fp8()),
         "fp8 paged tensor-core GEMV": (1, fp8dot()),
+        "fp8 weight-only split-K GEMV": (1, fp8wo(wo_default)),
     }
     if torch.cuda.get_device_capability() >= (8, 9):
         rows["fp8 quant + _scaled_mm"] = (1, mm)
@@ -91,14 +106,15 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: list[str], gen) -> Non
         ms = timed(fn, copies)
         print(f"{name:8s} {n:6d}x{k:<6d} {label:32s} {ms * 1e3:8.1f} us "
               f"{size * n * k / ms / 1e6:6.0f} GB/s", flush=True)  # fmt: skip
-    props = triton.runtime.driver.active.utils.get_device_properties(x.device.index or 0)
     tried = candidates(n, k, props["multiprocessor_count"], props["max_shared_mem"])
     split_configs = [c for c in SPLIT_CONFIGS if k // c[2] >= c[1]] + tried
     bn, bk, warps, stages = dot_config(n, k, x.device)
     kinds = {"bf16": (2, plain, CONFIGS, gemv_config(n, k, 2)),
              "fp8": (1, fp8, CONFIGS, gemv_config(n, k, 1)),
              "fp8dot": (1, fp8dot, DOT_CONFIGS, dot_config(n, k, x.device)),
-             "fp8split": (1, fp8split, split_configs, (bn, bk, 1, warps, stages))}  # fmt: skip
+             "fp8split": (1, fp8split, split_configs, (bn, bk, 1, warps, stages)),
+             "fp8wo": (1, fp8wo, [c for c in WO_CONFIGS if k // c[2] >= c[1]]
+                       + wo_candidates(n, k, itemsize=1), wo_default)}  # fmt: skip
     for label in sweep:
         size, make, configs, default = kinds[label]
         best = []
@@ -117,12 +133,17 @@ def bench_shape(name: str, n: int, k: int, m: int, sweep: list[str], gen) -> Non
             ms, c = min((ms_of.get(c, float("inf")), c) for c in tried)
             print(f"{name:8s} fp8split start-up candidates ({len(tried)}): best {c} "
                   f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)  # fmt: skip
+        if label == "fp8wo":
+            wo = wo_candidates(n, k, itemsize=1)
+            ms, c = min([(ms_of.get(c, float("inf")), c) for c in wo] or [(d_ms, default)])
+            print(f"{name:8s} fp8wo start-up candidates ({len(wo)}): best {c} "
+                  f"{ms * 1e3:.1f} us {n * k / ms / 1e6:.0f} GB/s", flush=True)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", default="", help="comma-separated: bf16, fp8, fp8dot, fp8split: "
-                    "time every config of those GEMVs")  # fmt: skip
+    ap.add_argument("--sweep", default="", help="comma-separated: bf16, fp8, fp8dot, fp8split, "
+                    "fp8wo: time every config of those GEMVs")  # fmt: skip
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--pdl", action="store_true", help="launch paged's kernels with PDL, as the "
                     "cuda platform does on Hopper (paged.kernels.pdl)")  # fmt: skip
