@@ -10,7 +10,8 @@ bench throughput` with HF static-compiled batch 64 and generate_batch, each HF m
 --tp-hf-seconds by scaling its prompt count), ``serve`` (`paged serve` + `paged bench
 serve`), ``latency-eager`` (paged with --enforce-eager), ``latency-sync`` (paged with
 --no-async-scheduling), ``latency-fp8`` (paged with --quantization fp8, its start-up logged:
-the kernel variants compiled ahead and the GEMV timing). Results: $OUT/h200.md (a markdown
+the kernel variants compiled ahead and the GEMV timing), ``latency-fp8-wo`` (the same with
+--cuda-fp8-weight-only-decode: one-row fp8 linears weight-only). Results: $OUT/h200.md (a markdown
 section, also appended to bench/results/h200.md), $OUT/h200.json, logs in $OUT/logs/.
 """
 
@@ -34,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 PHASES = ("ceilings", "latency", "throughput", "serve", "latency-eager", "latency-sync", "long",
-          "latency-fp8")
+          "latency-fp8", "latency-fp8-wo")
 RESERVE_S = 15  # kept back from the budget to write the results
 # Floors from issue 4 (one H200, Llama-3.1-8B shape, bf16).
 FLOOR_TPOT_MS, FLOOR_TP_TOK_S, FLOOR_TTFT_MS, FLOOR_ITL_MS = 5.0, 15000.0, 60.0, 10.0
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--latency-eager-timeout", type=float, default=120, help="seconds")
     a("--latency-sync-timeout", type=float, default=120, help="seconds")
     a("--latency-fp8-timeout", type=float, default=300, help="seconds (start-up included)")
+    a("--latency-fp8-wo-timeout", type=float, default=300, help="seconds (start-up included)")
     a("--long-input", type=int, default=32000, help="long: one prompt of this many tokens")
     a("--long-output", type=int, default=128)
     a("--long-timeout", type=float, default=240, help="seconds")
@@ -216,7 +218,8 @@ def phase_ceilings(args, out: Path, timeout: float) -> dict:
 
 def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
     """variant: "" (the default engine, with the HF baselines), "eager" (no CUDA graphs),
-    "sync" (no overlapped steps) or "fp8" (--quantization fp8, start-up logged): paged alone."""
+    "sync" (no overlapped steps), "fp8" (--quantization fp8, start-up logged) or "fp8-wo" (the
+    same, one-row linears weight-only): paged alone."""
     name = f"latency-{variant}" if variant else "latency"
     path = out / f"{name}.json"
     cmd = paged("bench", "latency", *_model_args(args), "--batch-size", args.lat_batch,
@@ -229,14 +232,16 @@ def _latency(args, out: Path, timeout: float, variant: str = "") -> dict:
         cmd.append("--enforce-eager")
     elif variant == "sync":
         cmd.append("--no-async-scheduling")
-    elif variant == "fp8":
+    elif variant in ("fp8", "fp8-wo"):
         cmd += ["--quantization", "fp8", "--log-level", "info"]
+        if variant == "fp8-wo":
+            cmd.append("--cuda-fp8-weight-only-decode")
     elif args.lat_hf_modes:
         cmd += ["--baseline", "hf", "--hf-modes", args.lat_hf_modes, "--hf-batch-size",
                 str(args.lat_batch), "--hf-num-iters", str(args.lat_hf_iters)]  # fmt: skip
     rc = run(name, cmd, timeout, out / "logs")
     res = {"rc": rc, "commands": [shlex.join(cmd)], **_load(path)}
-    if variant == "fp8":
+    if variant in ("fp8", "fp8-wo"):
         log = (out / "logs" / f"{name}.log").read_text(errors="replace").splitlines()
         res["startup"] = [line.split(": ", 1)[-1] for line in log
                           if any(s in line for s in STARTUP_LINES)]  # fmt: skip
@@ -257,6 +262,10 @@ def phase_latency_sync(args, out: Path, timeout: float) -> dict:
 
 def phase_latency_fp8(args, out: Path, timeout: float) -> dict:
     return _latency(args, out, timeout, "fp8")
+
+
+def phase_latency_fp8_wo(args, out: Path, timeout: float) -> dict:
+    return _latency(args, out, timeout, "fp8-wo")
 
 
 def phase_long(args, out: Path, timeout: float) -> dict:
@@ -426,6 +435,7 @@ RUNNERS = {
     "latency-sync": phase_latency_sync,
     "long": phase_long,
     "latency-fp8": phase_latency_fp8,
+    "latency-fp8-wo": phase_latency_fp8_wo,
 }
 
 
@@ -496,8 +506,8 @@ def _cmds(r: dict) -> list[str]:
 
 def _latency_md(args, res: dict) -> list[str]:
     lat, eag, syn = res.get("latency"), res.get("latency-eager"), res.get("latency-sync")
-    fp8 = res.get("latency-fp8")
-    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag, syn, fp8)):
+    fp8, fp8_wo = res.get("latency-fp8"), res.get("latency-fp8-wo")
+    if not any("mean_tpot_ms" in (r or {}) for r in (lat, eag, syn, fp8, fp8_wo)):
         return []  # the phase's error line says why
     out = [
         f"\n### Latency: batch {args.lat_batch}, {args.lat_input} in / {args.lat_output} out\n",
@@ -509,6 +519,7 @@ def _latency_md(args, res: dict) -> list[str]:
         ("paged --no-async-scheduling, mean", syn or {}),
         ("paged --enforce-eager, mean", eag or {}),
         ("paged --quantization fp8, mean", fp8 or {}),
+        ("paged --quantization fp8 --cuda-fp8-weight-only-decode, mean", fp8_wo or {}),
     ):
         if "mean_tpot_ms" in r:
             out.append(
@@ -531,12 +542,16 @@ def _latency_md(args, res: dict) -> list[str]:
     tpot = (lat or {}).get("mean_tpot_ms")
     ok = None if tpot is None else tpot <= FLOOR_TPOT_MS
     out.append(f"\nfloor: decode <= {FLOOR_TPOT_MS} ms/token: {_ok(ok)}")
-    if fp8:
-        tpot = fp8.get("mean_tpot_ms")
+    for label, r in (("", fp8), (", weight-only decode", fp8_wo)):
+        if not r:
+            continue
+        tpot = r.get("mean_tpot_ms")
         ok = None if tpot is None else tpot <= FLOOR_FP8_TPOT_MS
-        out.append(f"\nfp8 floor (issue 15): decode <= {FLOOR_FP8_TPOT_MS} ms/token: {_ok(ok)}")
-        out += [f"\n- fp8 start-up: {line}" for line in fp8.get("startup", [])]
-    return out + _cmds(lat or {}) + _cmds(syn or {}) + _cmds(eag or {}) + _cmds(fp8 or {})
+        out.append(f"\nfp8 floor (issue 15){label}: decode <= {FLOOR_FP8_TPOT_MS} ms/token: "
+                   f"{_ok(ok)}")  # fmt: skip
+        out += [f"\n- fp8{label} start-up: {line}" for line in r.get("startup", [])]
+    runs = (lat, syn, eag, fp8, fp8_wo)
+    return out + [c for r in runs for c in _cmds(r or {})]
 
 
 def _throughput_md(args, res: dict) -> list[str]:

@@ -39,6 +39,11 @@ def test_the_fp8_phase_keeps_its_start_up_lines_and_judges_the_floor(tmp_path, m
     assert "| paged --quantization fp8, mean | 5.00 | 2.55 |" in md
     assert "fp8 floor (issue 15): decode <= 2.6 ms/token: **pass**" in md
     assert "start-up GEMV timing took 30.2 s" in md
+    wo = {"latency-fp8-wo": h200.RUNNERS["latency-fp8-wo"](args, tmp_path, 100)}
+    assert "--cuda-fp8-weight-only-decode" in ran[1] and "--quantization" in ran[1]
+    md = h200.report(args, {**res, **wo}, "now")
+    assert "| paged --quantization fp8 --cuda-fp8-weight-only-decode, mean | 5.00 | 2.55 |" in md
+    assert "fp8 floor (issue 15), weight-only decode: decode <= 2.6 ms/token: **pass**" in md
 
 
 def test_latency_runs_take_a_servers_model_length_when_asked(tmp_path, monkeypatch):
