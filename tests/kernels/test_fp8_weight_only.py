@@ -103,3 +103,53 @@ def test_weight_only_fp8_decode_in_the_engine(tiny_models, monkeypatch, engines_
     assert all(rows == 1 and scaled for rows, _, _, scaled in calls)
     assert sum(norm for _, norm, _, _ in calls) == 3 * (2 * layers - 1)
     assert sum(silu for _, _, silu, _ in calls) == 3 * layers
+
+
+def test_timed_choice_of_config_and_fold(tiny_models, monkeypatch):
+    """Timed (timers and the GPU faked): every shape tries each config, those after a norm or
+    SiLU-and-mul also after the op's own kernel; the fastest is installed with the weight's
+    scales, whatever the fp8 GEMV's own timing chose."""
+    from paged import LLM
+    from paged.kernels.gemv import OneRowGemv
+    from paged.quantization.base import QuantLinear
+
+    llm = LLM(tiny_models["llama"], dtype="float32", kv_cache_memory="16MiB", quantization="fp8")
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    shapes: dict = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            shapes.setdefault(tuple(mod.weight.shape), []).append(mod)
+    configs = [(4, 32, 1, 4), (8, 32, 2, 4)]
+    monkeypatch.setattr(fp8_weight_only, "fp8_linears", lambda model: shapes)
+    monkeypatch.setattr(fp8_weight_only, "device_limits", lambda device: H200)
+    monkeypatch.setattr(gemv_select, "candidates", lambda n, k, itemsize=2: configs)
+    compiled, timed = [], []
+    monkeypatch.setattr(fp8_weight_only, "compile_configs",
+                        lambda shapes, tries, run, device: compiled.extend(
+                            c for shape in shapes for c in tries(*shape)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    real_calls = gemv_select.gemv_calls
+
+    def spy(inputs, mods, choice, counters, scale=False):
+        assert scale
+        timed.append((mods[0], choice))
+        return real_calls(inputs, mods, choice, counters, scale)
+
+    def fake_time(calls):  # config 2 after the op's kernel is fastest, then config 2 folded
+        config, fold = timed[-1][1]
+        return 3.0 - (config == configs[1]) - 0.5 * (not fold)
+
+    monkeypatch.setattr(fp8_weight_only, "gemv_calls", spy)
+    monkeypatch.setattr(fp8_weight_only, "graph_time_or_inf", fake_time)
+    fp8_weight_only.use_weight_only_fp8_gemv(model, timed=True)
+    assert sorted(compiled) == sorted(c for _, c in timed)
+    for mod, op in ((layer.self_attn.qkv_proj, True), (layer.mlp.gate_up_proj, True),
+                    (layer.mlp.down_proj, True), (layer.self_attn.o_proj, False)):  # fmt: skip
+        gemv = vars(mod)["forward"]
+        assert isinstance(gemv, OneRowGemv) and gemv.scale is mod.weight_scale
+        assert gemv.config == configs[1] and gemv.fold == (not op)
+        first = shapes[tuple(mod.weight.shape)][0]
+        tried = sorted(c for m, c in timed if m is first)
+        assert tried == sorted((c, f) for c in configs for f in ([True, False] if op else [True]))
+    del llm

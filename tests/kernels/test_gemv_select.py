@@ -62,9 +62,9 @@ def test_the_installed_forward_runs_the_gemv_at_one_row(device, monkeypatch):
     assert calls == [1]  # the one-row call only
 
 
-def every_linear_on_the_gemv(engines_on) -> None:
+def every_linear_on_the_gemv(engines_on, fold: bool = True) -> None:
     """The engine on the Triton interpreter with every nn.Linear on the one-row GEMV (as if
-    start-up timing chose it everywhere)."""
+    start-up timing chose it everywhere), folding the op before it in or not."""
     from test_long_prompt import TritonOnCpu
 
     class AllGemv(TritonOnCpu):
@@ -72,9 +72,61 @@ def every_linear_on_the_gemv(engines_on) -> None:
             counters = torch.zeros(1024, dtype=torch.int32)
             for mod in model.modules():
                 if type(mod) is nn.Linear:
-                    mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters)
+                    mod.forward = gemv_select.OneRowGemv(mod, (8, 32, 2, 4), counters,
+                                                         fold=fold)  # fmt: skip
 
     engines_on(AllGemv())
+
+
+def test_shapes_after_an_op_are_timed_folded_and_after_the_ops_kernel(tiny_models,
+                                                                      monkeypatch):  # fmt: skip
+    """Start-up timing (timers and the GPU faked): QKV, gate/up and down try each config with
+    their op folded in and after the op's own kernel, o_proj only the first; the fastest is
+    installed with the op folded in or not."""
+    from paged import LLM
+    from paged.kernels.gemv import OneRowGemv
+
+    llm = LLM(tiny_models["llama"], dtype="float32", max_model_len=64, num_kv_blocks=16)
+    model = llm.engine.runner.model
+    layer = model.layers[0]
+    kinds = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}  # fmt: skip
+    shapes: dict = {}
+    for lay in model.layers:
+        for mod in (lay.self_attn.qkv_proj, lay.self_attn.o_proj, lay.mlp.gate_up_proj,
+                    lay.mlp.down_proj):  # fmt: skip
+            shapes.setdefault(tuple(mod.weight.shape), []).append(mod)
+    assert len(shapes) == 4
+    configs = [(4, 32, 1, 4), (8, 32, 2, 4)]
+    monkeypatch.setattr(gemv_select, "dense_linears", lambda model: shapes)
+    monkeypatch.setattr(gemv_select, "candidates", lambda n, k, itemsize=2: configs)
+    monkeypatch.setattr(gemv_select, "compile_configs", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    timed, last = [], []
+    real_calls = gemv_select.gemv_calls
+
+    def spy(inputs, mods, choice, counters, scale=False):
+        timed.append((mods[0], choice))
+        return real_calls(inputs, mods, choice, counters, scale)
+
+    def fake_time(calls):  # cuBLAS 3; the GEMV folded 2, after the op's kernel 1 (config 2: +0.5)
+        if len(timed) == len(last):
+            return 3.0
+        last[:] = timed
+        config, fold = timed[-1][1]
+        return (2.0 if fold else 1.0) + 0.5 * (config == configs[1])
+
+    monkeypatch.setattr(gemv_select, "gemv_calls", spy)
+    monkeypatch.setattr(gemv_select, "graph_time", fake_time)
+    gemv_select.use_measured_gemv(model)
+    for name, mod in kinds.items():
+        tried = [choice for m, choice in timed if m is mod or (m.weight.shape == mod.weight.shape)]
+        folds = [True, False] if name != "o" else [True]
+        assert sorted(tried) == sorted((c, f) for c in configs for f in folds), name
+        gemv = vars(mod)["forward"]
+        assert isinstance(gemv, OneRowGemv) and gemv.config == configs[0]
+        assert gemv.fold == (name == "o")
+    del llm
 
 
 @pytest.mark.slow  # 16 s: interpreted Triton through the engine, with the long checks
@@ -105,6 +157,37 @@ def test_norms_fold_into_the_one_row_gemvs(tiny_models, monkeypatch, engines_on,
     assert sum(gated) == 4 * layers  # every down projection of the four decode steps
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert got == hf_greedy(hf, prompt, 5)
+
+
+@pytest.mark.slow  # interpreted Triton through the engine
+def test_ops_left_to_their_kernels_before_the_one_row_gemvs(tiny_models, monkeypatch, engines_on,
+                                                            interpreter_only):  # fmt: skip
+    """Every linear on the one-row GEMV chosen without its op folded in: decode steps run each
+    residual add and RMSNorm and SiLU-and-mul as their own kernels, the GEMVs plain, and greedy
+    output equals HF's."""
+    from test_hf_parity import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from paged import LLM, SamplingParams, kernels
+    from paged.kernels import gemv
+
+    every_linear_on_the_gemv(engines_on, fold=False)
+    folded, norms = [], []
+    real, norm_kernel = gemv.gemv_split_k, kernels.fused_add_rms_norm
+    monkeypatch.setattr(gemv, "gemv_split_k", lambda *a: folded.append(a[5] is not None or a[6])
+                        or real(*a))  # fmt: skip
+    monkeypatch.setattr(kernels, "fused_add_rms_norm",
+                        lambda x, *a: norms.append(len(x)) or norm_kernel(x, *a))  # fmt: skip
+    path = tiny_models["llama"]
+    llm = LLM(path, dtype="float32", max_model_len=128, num_kv_blocks=32)
+    prompt = list(range(7, 16))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    layers = len(llm.engine.runner.model.layers)
+    assert folded and not any(folded)
+    assert norms.count(1) == 3 * 2 * layers  # 3 decode steps: every add's norm and the final
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert got == hf_greedy(hf, prompt, 4)
 
 
 def test_the_linears_after_a_norm_are_timed_with_it(tiny_models):

@@ -396,12 +396,13 @@ class OneRowGemv:
     otherwise. With `norm` it also runs the residual add and RMSNorm before the projection
     (gemv_split_k's `norm`); with `silu_mul`, SiLU-and-mul of a gate/up output before it.
     `scale`: the module's weight is fp8 with these per-row scales, run weight-only (the input
-    not quantized: paged_cuda.fp8_weight_only)."""
+    not quantized: paged_cuda.fp8_weight_only). `fold` False: the op before runs as its own
+    kernel (a measured choice: where computing it in every program costs more than a launch)."""
 
     def __init__(self, mod: torch.nn.Module, config: tuple[int, int, int, int], counters,
-                 scale: torch.Tensor | None = None) -> None:  # fmt: skip
+                 scale: torch.Tensor | None = None, fold: bool = True) -> None:  # fmt: skip
         self.weight, self.bias, self.config, self.counters = mod.weight, mod.bias, config, counters
-        self.scale = scale
+        self.scale, self.fold = scale, fold
         # what runs the other inputs: an earlier measured choice on the module, or its class's
         self.fallback = vars(mod).get("forward") or functools.partial(type(mod).forward, mod)
 

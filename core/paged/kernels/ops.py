@@ -47,11 +47,13 @@ def _qk_norm_rotary(positions, q, k, rope, q_weight, k_weight, eps, gemma=False)
 def _one_row_gemv(linear, x):
     """The linear's decode GEMV that folds the op before it in (paged_cuda's gemv_select and
     fp8_select install them on the module, not as the class's method) when x is an input it
-    takes; else None."""
+    takes and it was chosen to fold the op; else None."""
     from paged.kernels.fp8_gemv import Fp8SplitGemv
     from paged.kernels.gemv import OneRowGemv
 
     gemv = vars(linear).get("forward")
+    if isinstance(gemv, OneRowGemv) and not gemv.fold:
+        return None
     return gemv if isinstance(gemv, (OneRowGemv, Fp8SplitGemv)) and gemv.takes(x) else None
 
 

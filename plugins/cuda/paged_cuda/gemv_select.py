@@ -198,10 +198,46 @@ class OpInputs:
         return (self.gate_up[k] if silu else self.x[k]), norm, silu
 
 
+Choice = tuple[tuple[int, int, int, int], bool]  # (config, whether the op before is folded in)
+
+
+def choices(n: int, k: int, op_before: bool, itemsize: int = 2) -> list[Choice]:
+    """What start-up times for weight [n, k]: each candidate config with the op before the
+    linear (if any) folded in, and after a norm or SiLU-and-mul (`op_before`) also after the
+    op's own kernel (folded, every program computes the op for its columns, once per row it
+    covers: more arithmetic, one launch less)."""
+    configs = candidates(n, k, itemsize)
+    return [(c, True) for c in configs] + ([(c, False) for c in configs] if op_before else [])
+
+
+def gemv_calls(inputs: OpInputs, mods: list[nn.Module], choice: Choice, counters: torch.Tensor,
+               scale: bool = False) -> list[Callable[[], object]]:  # fmt: skip
+    """The split-K GEMV over mods under `choice`, on inputs shared by the shape's modules;
+    unfolded, each call after the op's own kernel. `scale`: the modules' weights are fp8 with
+    per-row `weight_scale` (weight-only)."""
+    config, fold = choice
+    x, folded, silu = inputs.folded(mods[0])
+    before = None if fold else inputs.unfused(mods[0])
+
+    def call(m: nn.Module) -> object:
+        s = m.weight_scale if scale else None
+        if fold:
+            return gemv_split_k(x, m.weight, m.bias, config, counters, folded, silu, s)
+        return gemv_split_k(before(), m.weight, m.bias, config, counters, None, False, s)
+
+    return [lambda m=m: call(m) for m in mods]
+
+
+def op_shapes(shapes: dict[tuple[int, int], list[nn.Module]], inputs: OpInputs) -> set:
+    """The weight shapes whose (first) linear follows a norm or SiLU-and-mul it can fold in."""
+    ops = inputs.normed | inputs.gated
+    return {shape for shape, mods in shapes.items() if id(mods[0]) in ops}
+
+
 def use_measured_gemv(model: nn.Module) -> None:
     """Time and install the GEMV per weight shape where it beats cuBLAS at one row. A shape
     whose linears follow a norm (or SiLU-and-mul) is timed with it: cuBLAS after the op's own
-    kernel against the GEMV with the op folded in."""
+    kernel against the GEMV with the op folded in and after the op's kernel."""
     shapes = dense_linears(model)
     if not shapes:
         return
@@ -210,24 +246,26 @@ def use_measured_gemv(model: nn.Module) -> None:
     most = max((split_k_counters(n, 1, c) for n, k in shapes for c in candidates(n, k)),
                default=1)  # fmt: skip
     counters = torch.zeros(most, dtype=torch.int32, device=first.device)
+    with_op = op_shapes(shapes, inputs)
+
+    def tries(n: int, k: int) -> list[Choice]:
+        return choices(n, k, (n, k) in with_op)
 
     def time_cublas(mods: list[nn.Linear]) -> float:
         before = inputs.unfused(mods[0])
         return graph_time([lambda m=m: F.linear(before(), m.weight, m.bias) for m in mods])
 
-    def gemv(mod: nn.Linear, config) -> torch.Tensor:
-        x, folded, silu = inputs.folded(mod)
-        return gemv_split_k(x, mod.weight, mod.bias, config, counters, folded, silu)
+    def time_gemv(mods: list[nn.Linear], choice: Choice) -> float:
+        return graph_time(gemv_calls(inputs, mods, choice, counters))
 
-    def time_gemv(mods: list[nn.Linear], config) -> float:
-        return graph_time([lambda m=m: gemv(m, config) for m in mods])
-
-    compile_configs(shapes, candidates, gemv, first.device)
+    compile_configs(shapes, tries, lambda m, c: gemv_calls(inputs, [m], c, counters)[0](),
+                    first.device)  # fmt: skip
     with torch.inference_mode():
-        chosen = choose(shapes, candidates, time_cublas, time_gemv)
-    for (n, k), (config, best, base) in chosen.items():
+        chosen = choose(shapes, tries, time_cublas, time_gemv)
+    for (n, k), ((config, fold), best, base) in chosen.items():
         for mod in shapes[(n, k)]:
-            mod.forward = OneRowGemv(mod, config, counters)
-        log.info("one-row linears %dx%d (%d): split-K GEMV %s %.1f us, cuBLAS %.1f us", n, k,
-                 len(shapes[(n, k)]), config, best * 1e6, base * 1e6)  # fmt: skip
+            mod.forward = OneRowGemv(mod, config, counters, fold=fold)
+        log.info("one-row linears %dx%d (%d): split-K GEMV %s%s %.1f us, cuBLAS %.1f us", n, k,
+                 len(shapes[(n, k)]), config, "" if fold or (n, k) not in with_op else
+                 " after the op's kernel", best * 1e6, base * 1e6)  # fmt: skip
     torch.cuda.synchronize()
