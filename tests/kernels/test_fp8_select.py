@@ -111,6 +111,22 @@ def test_only_per_channel_fp8_linears_on_the_gpu_are_timed(monkeypatch):
     assert got == {(32, 64): [model.a, model.b], (48, 64): [model.c]}
 
 
+def fp8_ops_on_cpu(base: type) -> type:
+    """`base` (the cpu platform) with the Triton fp8 linear and the fused norm and SiLU-and-mul
+    ops (foldable into a one-row GEMV), for the engine on the interpreter."""
+
+    class Fp8Ops(base):
+        def ops(self):
+            from paged.kernels.ops import triton_fused_ops
+
+            table = triton_fused_ops()
+            names = ("fp8_linear", "fused_add_rms_norm", "add_rms_norm_linear", "silu_and_mul",
+                     "silu_and_mul_linear")  # fmt: skip
+            return {name: table[name] for name in names}
+
+    return Fp8Ops
+
+
 @pytest.mark.slow  # 37 s: interpreted Triton through the engine, with the long checks
 def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, interpreter_only):
     """Every per-channel fp8 linear on the split GEMV (as if start-up timing chose it for every
@@ -126,16 +142,8 @@ def test_split_fp8_gemvs_in_the_engine(tiny_models, monkeypatch, engines_on, int
 
     split = []
 
-    class Fp8OnCpu(CpuPlatform):
+    class Fp8OnCpu(fp8_ops_on_cpu(CpuPlatform)):
         name = "fp8-split-on-cpu"
-
-        def ops(self):
-            from paged.kernels.ops import triton_fused_ops
-
-            table = triton_fused_ops()
-            names = ("fp8_linear", "fused_add_rms_norm", "add_rms_norm_linear", "silu_and_mul",
-                     "silu_and_mul_linear")  # fmt: skip
-            return {name: table[name] for name in names}
 
         def prepare_model(self, model, config, source=None) -> None:
             super().prepare_model(model, config, source)

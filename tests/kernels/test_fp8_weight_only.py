@@ -42,6 +42,8 @@ def test_weight_only_fp8_decode_in_the_engine(tiny_models, monkeypatch, engines_
     into QKV and gate/up (but the first layer's) and SiLU-and-mul into down; prefill keeps the
     fp8 GEMM. Greedy output equals an engine whose one-row fp8 linears are the dequantized
     weights' float32 F.linear."""
+    from test_fp8_select import fp8_ops_on_cpu
+
     from paged import LLM, SamplingParams
     from paged.kernels import gemv
     from paged.quantization.base import QuantLinear
@@ -59,16 +61,8 @@ def test_weight_only_fp8_decode_in_the_engine(tiny_models, monkeypatch, engines_
 
         return forward
 
-    class Fp8OnCpu(CpuPlatform):
+    class Fp8OnCpu(fp8_ops_on_cpu(CpuPlatform)):
         name = "fp8-weight-only-on-cpu"
-
-        def ops(self):
-            from paged.kernels.ops import triton_fused_ops
-
-            table = triton_fused_ops()
-            names = ("fp8_linear", "fused_add_rms_norm", "add_rms_norm_linear", "silu_and_mul",
-                     "silu_and_mul_linear")  # fmt: skip
-            return {name: table[name] for name in names}
 
         def prepare_model(self, model, config, source=None) -> None:
             super().prepare_model(model, config, source)

@@ -35,6 +35,7 @@ from paged_cuda.gemv_select import (
     graph_time,
     graph_time_or_inf,
     model_dtype,
+    op_shapes,
 )
 
 log = logging.getLogger("paged")
@@ -131,8 +132,7 @@ def use_measured_fp8_gemv(model: nn.Module) -> None:
     sms, smem = device_limits(device)
 
     inputs = OpInputs(model, {k for _, k in shapes}, device, model_dtype(model))
-    ops_before = inputs.normed | inputs.gated
-    amax_shapes = {shape for shape, mods in shapes.items() if id(mods[0]) in ops_before}
+    amax_shapes = op_shapes(shapes, inputs)
 
     def configs(n: int, k: int) -> list[tuple[Config, str]]:
         return tried(n, k, sms, smem, device, (n, k) in amax_shapes)
