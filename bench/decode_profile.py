@@ -107,12 +107,14 @@ def print_gemv_choices(llm: LLM) -> None:
     for mod in llm.engine.runner.model.modules():
         fwd = mod.__dict__.get("forward")
         if type(fwd).__name__ == "OneRowGemv":
-            chosen.setdefault(tuple(fwd.weight.shape), []).append(fwd.config)
+            kind = f"{'fp8 weight-only ' if fwd.scale is not None else ''}split-K GEMV"
+            how = f"{kind} {fwd.config}{'' if fwd.fold else ', the op before in its own kernel'}"
+            chosen.setdefault(tuple(fwd.weight.shape), []).append(how)
     if not chosen:
         print("one-row linears: cuBLAS for every shape")
-    for shape, configs in chosen.items():
-        print(f"one-row linears {shape[0]}x{shape[1]} ({len(configs)}): split-K GEMV "
-              f"(BLOCK_N, BLOCK_K, SPLIT, warps) {configs[0]}")  # fmt: skip
+    for shape, hows in chosen.items():
+        print(f"one-row linears {shape[0]}x{shape[1]} ({len(hows)}): {hows[0]} "
+              "(BLOCK_N, BLOCK_K, SPLIT, warps)")  # fmt: skip
 
 
 def sync_sites(llm: LLM, prompts, params, steps: int) -> None:
