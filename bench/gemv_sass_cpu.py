@@ -32,7 +32,6 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "core"))
 
@@ -118,6 +117,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gemv-sass.md"))
     args = ap.parse_args()
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled for the GPU, not interpreted
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-sass-"))
     rows = []
     for label, build, build_args in VARIANTS:
