@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-COMMANDS = ("serve", "chat", "complete", "run-batch", "bench", "platforms", "env")
+COMMANDS = ("serve", "chat", "complete", "run-batch", "bench", "platforms", "env", "cache")
 
 
 def test_help_lists_every_command(paged_exe):
@@ -25,12 +25,13 @@ def test_unknown_flags_are_reported_by_the_command_given(cli, capsys):
     for cmd in (
         ["serve"], ["chat"], ["complete"], ["run-batch", "-i", "a", "-o", "b"], ["bench"],
         ["bench", "serve"], ["bench", "throughput"], ["bench", "latency"], ["platforms"],
-        ["models"], ["env"], ["fleet"], ["fleet", "status"], ["fleet", "ray-resources"], [],
+        ["models"], ["env"], ["fleet"], ["fleet", "status"], ["fleet", "ray-resources"],
+        ["cache"], ["cache", "list"], ["cache", "clear"], [],
     ):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             cli(*cmd, "--bogus")
         _, err = capsys.readouterr()
-        name = " ".join(["paged", *cmd[: 2 if cmd[:1] in (["bench"], ["fleet"]) else 1]])
+        name = " ".join(["paged", *cmd[: 2 if cmd[:1] in (["bench"], ["fleet"], ["cache"]) else 1]])
         assert e.value.code == 2, cmd
         assert err.startswith(f"usage: {name} ") and err.endswith(
             f"{name}: error: unrecognized arguments: --bogus\n"

@@ -14,6 +14,7 @@ from paged import __version__
 from paged.cli import (
     bench_offline,
     bench_serve,
+    cache,
     chat,
     complete,
     env,
@@ -65,6 +66,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     platforms.register(sub)
     models.register(sub)
     env.register(sub)
+    cache.register(sub)
     fleet.register(sub)
     return parser
 
