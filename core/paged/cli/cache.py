@@ -57,7 +57,9 @@ def entries(root: Path, kernels: bool = True) -> list[Entry]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cache", help="list or remove what paged caches (GGUF conversions, "
-                       "kernel builds)")  # fmt: skip
+                       "kernel builds)", description="What paged keeps under $PAGED_CACHE_DIR "
+                       "(default ~/.cache/paged): GGUF conversions and the cpu kernels' builds, "
+                       "all rebuilt when next needed. With no action: list.")  # fmt: skip
     p.set_defaults(func=lambda args: list_entries(args))
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION")
