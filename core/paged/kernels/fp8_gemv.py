@@ -255,6 +255,8 @@ class Fp8SplitGemv:
         """Whether x (2-D) runs on the split GEMV, and so may have the op before it folded in."""
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.stride(1) == 1
 
+    folds = takes  # the op before is folded in wherever the split GEMV runs
+
     def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
         if norm is not None or silu_mul:
             assert self.takes(x), "the fused input op needs an input of few rows"

@@ -410,6 +410,10 @@ class OneRowGemv:
     def takes(x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
 
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether the op before the linear is to be folded into its GEMV for input x."""
+        return self.fold and self.takes(x)
+
     def __call__(self, x: torch.Tensor, norm=None, silu_mul: bool = False):
         if self.takes(x):
             return gemv_split_k(x, self.weight, self.bias, self.config, self.counters, norm,

@@ -52,9 +52,7 @@ def _one_row_gemv(linear, x):
     from paged.kernels.gemv import OneRowGemv
 
     gemv = vars(linear).get("forward")
-    if isinstance(gemv, OneRowGemv) and not gemv.fold:
-        return None
-    return gemv if isinstance(gemv, (OneRowGemv, Fp8SplitGemv)) and gemv.takes(x) else None
+    return gemv if isinstance(gemv, (OneRowGemv, Fp8SplitGemv)) and gemv.folds(x) else None
 
 
 def _add_rms_norm_linear(x, residual, weight, eps, linear):
