@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "kernel builds)", description="What paged keeps under $PAGED_CACHE_DIR "
                        "(default ~/.cache/paged): GGUF conversions and the cpu kernels' builds, "
                        "all rebuilt when next needed. With no action: list.")  # fmt: skip
-    p.set_defaults(func=lambda args: list_entries(args))
+    p.set_defaults(func=list_entries)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     cmds = p.add_subparsers(dest="cache_command", metavar="ACTION")
     ls = cmds.add_parser("list", help="the cache's entries, their sizes and sources")
@@ -127,9 +127,11 @@ def clear(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def _human(n: float) -> str:
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB"):
         n /= 1000
-    return f"{n:.1f} GB"
+        if n < 1000 or unit == "GB":
+            break
+    return f"{n:.1f} {unit}"
